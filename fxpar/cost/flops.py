@@ -1,0 +1,197 @@
+"""Per-node cost estimates: forward and backward FLOPs, bytes read and written.
+
+Reads node ``val`` (FakeTensors); writes ``fxpar.cost`` (:class:`~fxpar.ir.meta.NodeCost`) on every
+node of the program, subgraphs of higher-order ops included (the higher-order-op node itself costs 0
+so nothing is counted twice).
+
+Matmul-like ops use torch's own formulas (``torch.utils.flop_counter``) where it registers the op. The
+graph is pre-dispatch ATen, so the composite ops that matter most (``aten.linear``, ``aten.matmul``,
+``aten.scaled_dot_product_attention``) are not in torch's registry, which only knows the ops they
+decompose into; they are mapped to those formulas here. Everything else with a floating output is
+counted as one FLOP per output element (elementwise and reductions), and view/metadata ops as free.
+
+Backward: 2x forward for matmuls (grad of input and of weight), torch's SDPA backward formula for
+attention, 1x for the rest; 0 for nodes no gradient flows through (nothing they read depends on a
+parameter that requires grad) and for nodes inside a ``set_grad_enabled(False)`` region.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+from torch.utils import flop_counter as fc
+
+from fxpar.ir import meta
+from fxpar.ir.meta import NodeCost
+from fxpar.ir.program import Program, subgraphs_of
+
+aten = torch.ops.aten
+
+_VIEWS = {
+    aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.slice, aten.select, aten.transpose,
+    aten.t, aten.permute, aten.unsqueeze, aten.squeeze, aten.alias, aten.detach, aten.as_strided,
+    aten.unflatten, aten.flatten, aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.narrow,
+    aten.contiguous, aten._assert_tensor_metadata, aten.lift_fresh_copy, aten.sym_size, aten.view_as,
+    aten.expand_as, aten.movedim, aten.diagonal, aten.unfold,
+}
+# data movement and creation: no arithmetic, but bytes
+_MOVES = {
+    aten.embedding, aten.index, aten.index_select, aten.gather, aten.cat, aten.stack, aten.clone, aten.copy,
+    aten.copy_, aten._to_copy, aten.to, aten.pad, aten.constant_pad_nd, aten.new_ones, aten.new_zeros,
+    aten.zeros, aten.ones, aten.full, aten.arange, aten.empty, aten.zeros_like, aten.ones_like,
+    aten.full_like, aten.scalar_tensor, aten.repeat, aten.repeat_interleave, aten.roll, aten.flip,
+    aten.masked_fill, aten.where, aten.index_put, aten.scatter,
+}
+
+
+def _int(x) -> int:
+    if isinstance(x, torch.SymInt):
+        hint = x.node.hint
+        return int(hint) if hint is not None else 1
+    return int(x)
+
+
+def _shape(t) -> tuple[int, ...]:
+    return tuple(_int(s) for s in t.shape)
+
+
+def _numel(t) -> int:
+    return math.prod(_shape(t))
+
+
+def _nbytes(t) -> int:
+    return _numel(t) * t.element_size()
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    return [v for v in pytree.tree_leaves(x) if isinstance(v, torch.Tensor)]
+
+
+def _arg_vals(node: torch.fx.Node):
+    def val(a):
+        return a.meta.get(meta.VAL) if isinstance(a, torch.fx.Node) else a
+    return pytree.tree_map(val, (node.args, node.kwargs))
+
+
+def _packet(target):
+    return getattr(target, "overloadpacket", None)
+
+
+def _matmul_flops(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """FLOPs of torch.matmul on shapes a and b (broadcast batch dims)."""
+    if len(a) == 1:
+        a = (1, *a)
+    if len(b) == 1:
+        b = (*b, 1)
+    m, k = a[-2], a[-1]
+    n = b[-1]
+    batch = torch.broadcast_shapes(a[:-2], b[:-2])
+    return math.prod(batch) * fc.mm_flop((m, k), (k, n))
+
+
+def _forward_flops(node: torch.fx.Node, args, kwargs, out) -> tuple[int, str]:
+    """(forward FLOPs, kind); kind is 'matmul', 'attention', 'view', 'move' or 'elementwise'."""
+    pkt = _packet(node.target)
+    if pkt in _VIEWS:
+        return 0, "view"
+    if pkt in _MOVES:
+        return 0, "move"
+    if pkt is aten.linear:
+        x, w = _shape(args[0]), _shape(args[1])
+        m = math.prod(x[:-1])
+        flops = fc.mm_flop((m, x[-1]), (w[1], w[0]))
+        if len(args) > 2 and args[2] is not None:
+            flops += m * w[0]
+        return flops, "matmul"
+    if pkt is aten.matmul:
+        return _matmul_flops(_shape(args[0]), _shape(args[1])), "matmul"
+    if pkt is aten.scaled_dot_product_attention:
+        q, k, v = (_shape(t) for t in args[:3])
+        if len(q) == 4:
+            return fc.sdpa_flop_count(q, k, v), "attention"
+        return _matmul_flops(q, k[:-2] + (k[-1], k[-2])) + _matmul_flops(q[:-1] + (k[-2],), v), "attention"
+    if pkt is not None and pkt in fc.flop_registry:
+        try:
+            return int(fc.flop_registry[pkt](*args, out_val=out, **kwargs)), "matmul"
+        except Exception:  # a formula that does not fit this overload's arguments: count elementwise
+            pass
+    outs = [t for t in _tensors(out) if t.is_floating_point()]
+    if not outs:
+        return 0, "view"
+    return max(_numel(t) for t in outs), "elementwise"
+
+
+def _backward_flops(kind: str, fwd: int, args) -> int:
+    if kind == "matmul":
+        return 2 * fwd
+    if kind == "attention":
+        q, k, v = (_shape(t) for t in args[:3])
+        if len(q) == 4:
+            return fc.sdpa_backward_flop_count(q, q, k, v)
+        return int(2.5 * fwd)
+    return fwd if kind == "elementwise" else 0
+
+
+def _node_cost(node: torch.fx.Node, needs_grad: bool) -> NodeCost:
+    if node.op != "call_function" or isinstance(node.target, torch._ops.HigherOrderOperator):
+        return meta.ZERO_COST
+    args, kwargs = _arg_vals(node)
+    out = node.meta.get(meta.VAL)
+    fwd, kind = _forward_flops(node, args, kwargs, out)
+    if kind == "view":
+        return NodeCost(fwd, 0, 0, 0)
+    read = sum(_nbytes(t) for t in _tensors((args, kwargs)))
+    written = sum(_nbytes(t) for t in _tensors(out))
+    bwd = _backward_flops(kind, fwd, args) if needs_grad else 0
+    return NodeCost(fwd, bwd, read, written)
+
+
+def _grad_enabled_region(node: torch.fx.Node) -> bool | None:
+    """For ``wrap_with_set_grad_enabled(enabled, body, ...)``: the mode it sets; None for other nodes."""
+    if getattr(node.target, "__name__", "") == "wrap_with_set_grad_enabled" or \
+            str(node.target).endswith("wrap_with_set_grad_enabled"):
+        return bool(node.args[0])
+    return None
+
+
+def _annotate(gm: torch.fx.GraphModule, grad_inputs: set[str] | None, grad_enabled: bool) -> NodeCost:
+    """Annotate gm's nodes; ``grad_inputs`` names placeholders a gradient flows to (None = all)."""
+    total = meta.ZERO_COST
+    flows: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if grad_inputs is None or node.name in grad_inputs:
+                flows.add(node)
+            node.meta[meta.COST] = meta.ZERO_COST
+            continue
+        needs = grad_enabled and any(a in flows for a in node.all_input_nodes)
+        if needs:
+            flows.add(node)
+        cost = _node_cost(node, needs)
+        node.meta[meta.COST] = cost
+        total = total + cost
+        region = _grad_enabled_region(node)
+        for sub in subgraphs_of(gm, node):
+            enabled = grad_enabled if region is None else (grad_enabled and region)
+            total = total + _annotate(sub, None if needs else set(), enabled)
+    return total
+
+
+def annotate_costs(program: Program) -> NodeCost:
+    """Write ``fxpar.cost`` on every node of ``program``; return the whole forward+backward estimate."""
+    grad_inputs = {b.placeholder for b in program.inputs
+                   if b.kind == "parameter" and program.params[b.target].requires_grad}
+    for b in program.inputs:  # float user inputs may require grad too (e.g. inputs_embeds)
+        if b.kind == "user":
+            node = next(n for n in program.graph.nodes if n.name == b.placeholder)
+            v = node.meta.get(meta.VAL)
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
+                grad_inputs.add(b.placeholder)
+    return _annotate(program.gm, grad_inputs, True)
+
+
+def node_cost(node: torch.fx.Node) -> NodeCost:
+    return node.meta.get(meta.COST, meta.ZERO_COST)

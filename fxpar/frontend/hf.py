@@ -1,0 +1,103 @@
+"""What a Hugging Face model tells about itself: TP/PP plans, base-model prefix, tied weights, blocks.
+
+transformers >= 5 configs carry ``base_model_tp_plan`` and ``base_model_pp_plan`` keyed relative to the
+base model (``layers.*.self_attn.q_proj``); head models add their own ``_tp_plan`` / ``_pp_plan`` keyed
+from the root (``lm_head``). fxpar keeps every plan keyed by full FQN from the traced root, so a glob
+means the same thing everywhere (``model.layers.*.self_attn.q_proj``).
+
+Plain ``nn.Module`` models work too: every field is optional.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fxpar.ir.program import ModelInfo
+
+
+def _prefix_of(model: torch.nn.Module) -> str:
+    """The FQN prefix of the base model inside ``model`` ("" when ``model`` is the base model)."""
+    prefix = getattr(model, "base_model_prefix", None) or ""
+    if prefix and isinstance(getattr(model, prefix, None), torch.nn.Module):
+        return prefix + "."
+    return ""
+
+
+def _merge(base: dict | None, prefix: str, own: dict | None) -> dict | None:
+    if not base and not own:
+        return None
+    out = {prefix + k: v for k, v in (base or {}).items()}
+    out.update(own or {})
+    return out
+
+
+def longest_module_list(model: torch.nn.Module) -> tuple[str | None, int]:
+    """FQN and length of the longest ``nn.ModuleList`` (the transformer blocks in HF models).
+
+    On a tie the first in module order wins (an encoder before its decoder).
+    """
+    best, best_len = None, 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > best_len:
+            best, best_len = name, len(mod)
+    return best, best_len
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    try:
+        return config.to_dict()
+    except Exception:  # a non-HF config object: keep what is plainly readable
+        return {k: v for k, v in vars(config).items() if isinstance(v, (int, float, str, bool, type(None)))}
+
+
+def read_model_info(model: torch.nn.Module) -> ModelInfo:
+    config = getattr(model, "config", None)
+    prefix = _prefix_of(model)
+    text_config = config
+    if config is not None and hasattr(config, "get_text_config"):
+        try:
+            text_config = config.get_text_config()
+        except Exception:
+            text_config = config
+    base_tp = getattr(text_config, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
+    base_pp = getattr(text_config, "base_model_pp_plan", None) or getattr(config, "base_model_pp_plan", None)
+    own_tp = getattr(model, "_tp_plan", None)
+    own_pp = getattr(model, "_pp_plan", None)
+    if not isinstance(own_tp, dict):
+        own_tp = None
+    if not isinstance(own_pp, dict):
+        own_pp = None
+    tie = getattr(text_config, "tie_word_embeddings", getattr(config, "tie_word_embeddings", None))
+    container, n_layers = longest_module_list(model)
+    return ModelInfo(
+        model_class=type(model).__name__,
+        model_type=getattr(config, "model_type", None),
+        base_model_prefix=getattr(model, "base_model_prefix", None) or None,
+        tp_plan=_merge(base_tp, prefix, own_tp),
+        pp_plan=_merge(base_pp, prefix, own_pp),
+        tie_word_embeddings=tie,
+        num_layers=n_layers or None,
+        layer_container=container,
+        config=_config_dict(config),
+    )
+
+
+def tensor_groups(model: torch.nn.Module) -> list[tuple[bool, list[str], torch.Tensor]]:
+    """Parameters and buffers grouped by identity: ``(is_buffer, [fqn, alias...], tensor)``.
+
+    The first FQN of a group, in ``named_parameters`` order, is the canonical one; the others are
+    tied to it (the same tensor object under another name).
+    """
+    groups: dict[int, tuple[bool, list[str], torch.Tensor]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), (False, [], p))[1].append(name)
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if id(b) in groups:
+            groups[id(b)][1].append(name)
+        else:
+            groups[id(b)] = (True, [name], b)
+    return list(groups.values())
