@@ -1,0 +1,68 @@
+"""``fxpar inspect`` on the command line: table, graph, JSON and the FLOP count against the analytic one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fxpar.cli import main
+from fxpar.testing import zoo
+
+
+def analytic_flops(cfg, batch: int, seq: int) -> int:
+    """2 * (params of the linear layers) * tokens + attention scores and values (4 * b * s^2 * h per layer)."""
+    h, inter, vocab, layers = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    head_dim = h // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * head_dim
+    linear = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + h * vocab
+    return 2 * linear * batch * seq + layers * 4 * batch * seq * seq * h
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_inspect_flops_agree_with_analytic_count(name, capsys):
+    assert main(["inspect", name, "--json", "--batch", "2", "--seq", "16"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    want = analytic_flops(zoo.tiny_config(name), 2, 16)
+    got = data["total"]["flops"]
+    print(f"{name}: table {got} analytic {want} ratio {got / want:.4f}")
+    assert abs(got / want - 1) <= 0.05
+    layers = {m["module"]: m for m in data["modules"]}
+    cfg = zoo.tiny_config(name)
+    per_layer = (analytic_flops(cfg, 2, 16) - 2 * cfg.hidden_size * cfg.vocab_size * 32) / cfg.num_hidden_layers
+    assert abs(layers["model.layers.0"]["flops"] / per_layer - 1) <= 0.05
+
+
+def test_inspect_prints_table_and_module_graph(capsys):
+    assert main(["inspect", "llama", "--module", "model.layers.0.mlp", "--graph", "--depth", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.mlp.gate_proj.weight" in out
+    assert "aten.silu" in out
+    assert "share" in out.splitlines()[2]
+
+
+def test_inspect_writes_picture(tmp_path, capsys):
+    assert main(["inspect", "gpt2", "--dot", str(tmp_path / "gpt2.dot")]) == 0
+    assert "subgraph cluster_" in (tmp_path / "gpt2.dot").read_text()
+    assert f"wrote {tmp_path / 'gpt2.dot'}" in capsys.readouterr().out
+
+
+def test_inspect_from_config_json_on_meta(tmp_path, capsys):
+    cfg = zoo.tiny_config("qwen2", hidden_size=128, num_hidden_layers=3)
+    path = tmp_path / "config.json"
+    cfg.to_json_file(path)
+    assert main(["inspect", str(path), "--meta", "--json", "--depth", "2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == "Qwen2ForCausalLM" and data["hf"]["num_layers"] == 3
+
+
+def test_bad_model_name_is_a_clear_error():
+    with pytest.raises(SystemExit, match="neither a zoo model"):
+        main(["inspect", "no-such-model"])
+
+
+def test_module_entry_point_help():
+    out = subprocess.run([sys.executable, "-m", "fxpar", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "fxpar inspect llama" in out.stdout
