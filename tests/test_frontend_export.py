@@ -168,3 +168,12 @@ def test_calling_with_other_arguments_than_traced_is_a_clear_error():
     program = fxpar.trace(model, example_kwargs=inputs)
     with pytest.raises(TypeError, match="missing \\['labels'\\]"):
         program(**{k: v for k, v in inputs.items() if k != "labels"})
+
+
+def test_stack_traces_only_when_asked():
+    model = zoo.build("gpt2")
+    inputs = zoo.example_inputs("gpt2", model)
+    plain = fxpar.trace(model, example_kwargs=inputs)
+    assert not any(n.meta.get("stack_trace") for n in plain.nodes())
+    rich = fxpar.trace(model, example_kwargs=inputs, stack_traces=True)
+    assert any("modeling_gpt2.py" in (n.meta.get("stack_trace") or "") for n in rich.nodes())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import expecttest
 import torch
@@ -100,6 +101,9 @@ def test_dot_has_one_cluster_per_module(tmp_path):
     report = fxpar.inspect(p, picture=tmp_path / "tiny.dot", quiet=True)
     assert report.pictures[0].read_text() == dot
     assert report.pictures[0].name == "tiny.dot"
+    if shutil.which("dot"):  # graphviz installed (CI installs it): the SVG is rendered beside the DOT
+        assert [p.name for p in report.pictures] == ["tiny.dot", "tiny.svg"]
+        assert "<svg" in report.pictures[1].read_text()
 
 
 def test_inspect_unknown_module_lists_what_exists():
