@@ -1,12 +1,16 @@
 """fxpar: compile an unmodified PyTorch / Hugging Face model into a distributed program.
 
-The public face (re-exports only): :func:`trace`, :func:`inspect`, :class:`Program`.
+The public face (re-exports only): :func:`trace`, :func:`compile`, :func:`inspect`, :class:`Plan`,
+:class:`Program`.
 """
 
 from fxpar.api import trace
+from fxpar.compiled import CompiledModel, compile
 from fxpar.inspect.report import inspect
 from fxpar.ir.errors import FxparError, PlanError, TraceError
+from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 
-__all__ = ["trace", "inspect", "Program", "FxparError", "TraceError", "PlanError"]
+__all__ = ["trace", "compile", "inspect", "Plan", "Program", "CompiledModel", "FxparError", "TraceError",
+           "PlanError"]
 __version__ = "0.1.0"

@@ -1,0 +1,290 @@
+"""``fxpar.compile``: trace, plan, split and run a model as a distributed program on every rank.
+
+Every rank calls ``compile`` with the same model (or a meta-device one with the same structure), the
+same plan and example inputs, and then ``step``/``__call__`` with the same full batch: only the stages
+a rank runs read it (the first stage its input ids, the last its labels), so no input travels.
+
+Order of work in ``compile``, all before any communication: validate the plan against the world and
+the batch; trace one microbatch; choose cuts; place stages on ranks; build the schedule. Then the
+only collective: process groups for parameters shared between stages on different ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from fxpar.api import trace
+from fxpar.cost.device import H100, DeviceModel
+from fxpar.cost.partition import StageCost, balanced_cuts, resolve_split_points, stage_costs
+from fxpar.ir.errors import PlanError
+from fxpar.ir.plan import Plan
+from fxpar.ir.program import Program
+from fxpar.ir.stage import PipelineProgram
+from fxpar.passes.pipeline_split import split_pipeline
+from fxpar.runtime import schedules as sched
+from fxpar.runtime.pipeline import PipelineRuntime
+
+
+@dataclass
+class _Compiled:
+    """One traced signature (training with labels, or inference) split into stages."""
+
+    program: Program
+    pipeline: PipelineProgram
+    runtime: PipelineRuntime
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _batch_size(flat: list) -> int:
+    for v in flat:
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return v.shape[0]
+    raise PlanError("no tensor input with a batch dimension: fxpar needs one to cut microbatches")
+
+
+def _split_batch(flat: list, batch: int, m: int) -> list[list]:
+    """Cut every tensor whose dim 0 is the batch into ``m`` microbatches; other values are shared."""
+    out = [[] for _ in range(m)]
+    for v in flat:
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch:
+            for i, piece in enumerate(v.chunk(m, dim=0)):
+                out[i].append(piece)
+        else:
+            for i in range(m):
+                out[i].append(v)
+    return out
+
+
+def _loss_weights(program: Program, microbatches: list[list], model: torch.nn.Module) -> list[float]:
+    """Each microbatch's share of the whole batch's mean loss: its count of counted label tokens.
+
+    HF losses average over label tokens that are not ``-100``; causal LMs shift labels by one first
+    (``loss_type == "ForCausalLM"``). Without labels, microbatches weigh the same.
+    """
+    flat_keys = _flat_kwarg_names(program)
+    if "labels" not in flat_keys:
+        return [1.0 / len(microbatches)] * len(microbatches)
+    idx = flat_keys.index("labels")
+    shift = getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM")
+    counts = []
+    for mb in microbatches:
+        labels = mb[idx]
+        if shift:
+            labels = labels[..., 1:]
+        counts.append(int((labels != -100).sum()))
+    total = sum(counts)
+    if total == 0:
+        raise PlanError("every label is -100: the batch has no token to compute a loss on")
+    return [c / total for c in counts]
+
+
+def _flat_kwarg_names(program: Program) -> list[str]:
+    """The name of each flattened user input (positional ones as 'arg<i>')."""
+    args_spec, kwargs_spec = program.in_spec.children()
+    names = [f"arg{i}" for i in range(args_spec.num_leaves)]
+    for key, child in zip(kwargs_spec.context or [], kwargs_spec.children()):
+        names.extend([key] * child.num_leaves)
+    return names
+
+
+class CompiledModel:
+    """A model compiled for one plan, on this rank. See :func:`compile`."""
+
+    def __init__(self, model, plan: Plan, example_args, example_kwargs, optimizer, *, device,
+                 device_model: DeviceModel, frontend: str, timeout: float):
+        self.model, self.plan, self.device_model, self.frontend = model, plan, device_model, frontend
+        self.timeout = timeout
+        self.world, self.rank = _world()
+        if plan.world_size != self.world:
+            raise PlanError(f"plan dp={plan.dp} x pp={plan.pp} x tp={plan.tp} needs {plan.world_size} ranks, but the "
+                            f"world has {self.world}; launch with torchrun --nproc_per_node {plan.world_size} or "
+                            "change the degrees")
+        if plan.dp > 1 or plan.tp > 1 or plan.zero:
+            raise PlanError("this fxpar build runs pipeline parallelism only (dp=1, tp=1, zero=0); data and "
+                            "tensor parallelism are not part of it yet")
+        self.schedule_name = sched.normalize_schedule(plan.schedule)
+        v = sched.stages_per_rank(self.schedule_name, plan.virtual_stages)
+        self.n_stages = plan.pp * v
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        flat, _ = pytree.tree_flatten((tuple(example_args), dict(example_kwargs)))
+        self.batch = _batch_size(flat)
+        self.m = plan.microbatches or self.n_stages
+        if self.batch % self.m:
+            raise PlanError(f"batch of {self.batch} does not divide into {self.m} microbatches; global batch = "
+                            f"microbatch size x microbatches x dp ({plan.dp}): pick a batch that is a multiple "
+                            f"of {self.m * plan.dp} or another number of microbatches")
+        sched.validate(self.schedule_name, plan.pp, self.m, self.n_stages)
+        self.schedule = sched.build_schedule(self.schedule_name, plan.pp, self.m, self.n_stages)
+        self.stage_to_rank = sched.stage_to_rank(self.schedule_name, plan.pp, self.n_stages)
+        self._signatures: dict[tuple, _Compiled] = {}
+        self.cuts: list[tuple[str, str]] | None = None
+        self.train = self._compile(example_args, example_kwargs)
+        self._tied_groups = self._make_tied_groups(self.train.pipeline)
+        mine = self._my_parameters(self.train.pipeline)
+        self.optimizer = optimizer(mine) if optimizer is not None else None
+
+    # ---- building ----------------------------------------------------------------------------------
+    def _compile(self, args, kwargs) -> _Compiled:
+        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        key = str(spec)
+        if key in self._signatures:
+            return self._signatures[key]
+        mb = _split_batch(flat, self.batch, self.m)[0]
+        mb_args, mb_kwargs = pytree.tree_unflatten(mb, spec)
+        program = trace(self.model, mb_args, mb_kwargs, frontend=self.frontend)
+        if self.cuts is None:
+            if self.plan.split_points:
+                self.cuts = resolve_split_points(program, self.plan.split_points)
+                if len(self.cuts) != self.n_stages - 1:
+                    raise PlanError(f"{len(self.cuts)} split points make {len(self.cuts) + 1} stages, but the plan "
+                                    f"has pp={self.plan.pp} x {self.n_stages // self.plan.pp} stages per rank = "
+                                    f"{self.n_stages}; give {self.n_stages - 1} split points")
+            else:
+                self.cuts = balanced_cuts(program, self.n_stages, self.device_model)
+        pipeline = split_pipeline(program, self.cuts, self.stage_to_rank)
+        ranks = list(range(self.world))
+        runtime = PipelineRuntime(pipeline, self.schedule, self.rank, ranks, None, self.device, self.timeout)
+        compiled = _Compiled(program, pipeline, runtime)
+        self._signatures[key] = compiled
+        return compiled
+
+    def _my_parameters(self, pipeline: PipelineProgram) -> list[torch.nn.Parameter]:
+        seen, out = set(), []
+        for stage in pipeline.stages_of(self.rank):
+            for p in stage.gm.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _make_tied_groups(self, pipeline: PipelineProgram) -> list[tuple[str, list[int], object]]:
+        """Process groups summing gradients of parameters held by stages on different ranks."""
+        groups = []
+        for fqn, stages in sorted(pipeline.tied.items()):
+            ranks = sorted({self.stage_to_rank[s] for s in stages})
+            if len(ranks) > 1:
+                groups.append((fqn, ranks, dist.new_group(ranks) if self.world > 1 else None))
+        return groups
+
+    # ---- running -----------------------------------------------------------------------------------
+    def _microbatches(self, compiled: _Compiled, args, kwargs) -> list[list]:
+        flat = compiled.program.flatten_inputs(tuple(args), dict(kwargs))
+        batch = _batch_size(flat)
+        if batch != self.batch:
+            raise PlanError(f"batch of {batch} given, but the program was compiled for {self.batch} "
+                            f"({self.m} microbatches of {self.batch // self.m}); compile again for this batch")
+        return _split_batch([v.to(self.device) if isinstance(v, torch.Tensor) else v for v in flat],
+                            batch, self.m)
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward over the microbatches, gradient sync, optimizer step; the batch's loss."""
+        compiled = self._compile(args, kwargs)
+        if compiled.pipeline.loss_output is None:
+            raise PlanError("the model returned no loss for these inputs: pass labels (or whatever makes "
+                            f"{type(self.model).__name__} compute its loss)")
+        for p in self._my_parameters(compiled.pipeline):
+            p.grad = None
+        mbs = self._microbatches(compiled, args, kwargs)
+        weights = _loss_weights(compiled.program, mbs, self.model)
+        result = compiled.runtime.run(mbs, train=True, loss_weights=weights)
+        for fqn, ranks, group in self._tied_groups:
+            if self.rank in ranks:
+                p = compiled.program.tensor(fqn)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+        loss_stage = next(s for s in compiled.pipeline.stages if compiled.pipeline.loss_output in s.final)
+        loss = torch.zeros((), device=self.device)
+        if result["losses"]:
+            loss = sum(result["losses"][i].detach() for i in sorted(result["losses"])).to(self.device).reshape(())
+        if self.world > 1:
+            dist.broadcast(loss, src=loss_stage.rank)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return loss
+
+    @torch.no_grad()
+    def __call__(self, *args, **kwargs):
+        """Inference: forward over the microbatches; the model's outputs, gathered on every rank."""
+        compiled = self._compile(args, kwargs)
+        mbs = self._microbatches(compiled, args, kwargs)
+        result = compiled.runtime.run(mbs, train=False)
+        pipeline, program = compiled.pipeline, compiled.program
+        outs = []
+        for j in range(pipeline.num_user_outputs):
+            stage = next((s for s in pipeline.stages if j in s.final), None)
+            if stage is None:
+                outs.append(None)
+                continue
+            val = _output_val(stage, stage.final[j])
+            if stage.rank == self.rank:
+                parts = [result["outputs"][i][j] for i in range(self.m)]
+                full = torch.cat(parts) if val.dim() > 0 else sum(parts) / self.m
+            else:
+                shape = (val.shape[0] * self.m, *val.shape[1:]) if val.dim() > 0 else ()
+                full = torch.empty(shape, dtype=val.dtype, device=self.device)
+            if self.world > 1:
+                dist.broadcast(full, src=stage.rank)
+            outs.append(full)
+        return pytree.tree_unflatten(outs, program.out_spec)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors keyed by the original FQNs (tied parameters under each name), on every rank."""
+        pipeline = self.train.pipeline
+        owner: dict[str, int] = {}
+        for stage in pipeline.stages:
+            for fqn in stage.params + stage.buffers:
+                owner.setdefault(fqn, stage.rank)
+        out = {}
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            fqn = self.train.program.canonical(name) if name in self.train.program._alias else name
+            t = self.train.program.tensor(fqn) if fqn in self.train.program.params else value
+            full = t.detach().clone() if owner.get(fqn, self.rank) == self.rank else torch.empty_like(t)
+            if self.world > 1 and fqn in owner:
+                dist.broadcast(full, src=owner[fqn])
+            out[name] = full
+        return out
+
+    # ---- reading -----------------------------------------------------------------------------------
+    def stage_costs(self) -> list[StageCost]:
+        return stage_costs(self.train.program, self.cuts, self.device_model)
+
+    @property
+    def pipeline(self) -> PipelineProgram:
+        return self.train.pipeline
+
+    @property
+    def program(self) -> Program:
+        return self.train.program
+
+
+def _output_val(stage, index):
+    out = next(n for n in stage.gm.graph.nodes if n.op == "output")
+    return out.args[0][index].meta["val"]
+
+
+def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
+            *, optimizer=None, device=None, device_model: DeviceModel = H100, frontend: str = "auto",
+            timeout: float | None = None) -> CompiledModel:
+    """Compile ``model`` for ``plan`` on this rank (call it on every rank with the same arguments).
+
+    ``example_kwargs`` is one full batch (labels included for training); ``optimizer`` a factory
+    ``params -> torch.optim.Optimizer`` applied to the parameters this rank holds. ``timeout``: seconds a
+    rank waits for a peer before failing with a message that names it (default 300, or
+    ``FXPAR_TIMEOUT``).
+    """
+    if isinstance(plan, str):
+        plan = Plan.parse(plan)
+    timeout = float(timeout if timeout is not None else os.environ.get("FXPAR_TIMEOUT", 300))
+    return CompiledModel(model, plan, example_args, dict(example_kwargs or {}), optimizer, device=device,
+                         device_model=device_model, frontend=frontend, timeout=timeout)

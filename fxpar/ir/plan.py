@@ -1,0 +1,103 @@
+"""``Plan``: how to parallelise, as a small immutable value.
+
+``Plan(pp=4, microbatches=8, schedule="1f1b")``, ``Plan.parse("pp=4,microbatches=8")``,
+``Plan.from_file("plan.toml")`` (JSON or TOML; never pickle). Degrees multiply to the world size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from fxpar.ir.errors import PlanError
+
+SPLIT_WHERE = ("beginning", "end")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A parallelisation plan.
+
+    ``pp``: pipeline ranks; ``virtual_stages``: stages per pipeline rank (interleaved and V schedules;
+    default 2 for those, 1 otherwise); ``microbatches``: chunks each step's batch is cut into (default:
+    the number of stages); ``schedule``: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv`` or
+    ``interleaved_zb``; ``split_points``: explicit cuts ``{"model.layers.16": "beginning"}`` instead of
+    the cost-balanced ones. ``dp``, ``tp``, ``zero`` and ``tp_plan`` are the data- and tensor-parallel
+    degrees and options.
+    """
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    zero: int = 0
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    virtual_stages: int | None = None
+    split_points: dict[str, str] | None = field(default=None, hash=False)
+    tp_plan: Any = "auto"
+
+    def __post_init__(self):
+        for name in ("dp", "pp", "tp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise PlanError(f"Plan.{name}={v!r}: must be an integer >= 1")
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"Plan.zero={self.zero!r}: ZeRO stage must be 0, 1, 2 or 3")
+        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+            raise PlanError(f"Plan.microbatches={self.microbatches!r}: must be an integer >= 1")
+        if self.virtual_stages is not None and (not isinstance(self.virtual_stages, int) or self.virtual_stages < 1):
+            raise PlanError(f"Plan.virtual_stages={self.virtual_stages!r}: must be an integer >= 1")
+        for fqn, where in (self.split_points or {}).items():
+            if where not in SPLIT_WHERE:
+                raise PlanError(f"split_points[{fqn!r}]={where!r}: use one of {SPLIT_WHERE}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def parse(cls, text: str) -> Plan:
+        """``"dp=2,pp=2,tp=2,zero=1,microbatches=4,schedule=1f1b"`` -> Plan."""
+        known = {f.name: f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for item in filter(None, (s.strip() for s in text.split(","))):
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or key not in known or key in ("split_points", "tp_plan"):
+                raise PlanError(f"cannot read {item!r} in plan {text!r}; write key=value pairs with keys "
+                                f"{[k for k in known if k not in ('split_points', 'tp_plan')]} "
+                                "(split_points and tp_plan go in a plan file)")
+            value = value.strip()
+            kwargs[key] = value if key == "schedule" else _int(key, value)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Plan:
+        """A JSON or TOML file whose keys are Plan's fields (an optional ``[plan]`` table in TOML)."""
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+            data = data.get("plan", data)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise PlanError(f"plan file {path}: use .json or .toml")
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise PlanError(f"plan file {path}: unknown keys {sorted(unknown)}")
+        return cls(**data)
+
+
+def _int(key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise PlanError(f"plan: {key}={value!r} is not an integer") from None

@@ -1,0 +1,63 @@
+"""Pipeline stages: what the split pass produces and the pipeline runtime executes.
+
+A stage is a ``GraphModule`` whose parameters keep their original FQNs (``get_attr`` nodes named
+``model.layers.3.mlp.up_proj.weight``) plus a routing table: where each of its inputs comes from (a
+user input, given to every rank, or an output of an earlier stage, sent straight from the stage that
+produced it) and which later stages read each of its outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+
+@dataclass(frozen=True)
+class ValueRef:
+    """A stage input: user input ``index`` (flattened call arguments), or output ``index`` of ``stage``."""
+
+    stage: int | None  # None: a user input
+    index: int
+
+    @property
+    def is_user(self) -> bool:
+        return self.stage is None
+
+
+@dataclass
+class StageSpec:
+    index: int
+    rank: int
+    first_module: str  # the cut this stage starts at ("" for stage 0)
+    gm: torch.fx.GraphModule
+    inputs: list[ValueRef]
+    input_needs_grad: list[bool]
+    outputs: list[str]  # names of the nodes this stage returns (graph order)
+    output_needs_grad: list[bool]
+    consumers: list[list[int]]  # per output: the later stages that read it
+    final: dict[int, int] = field(default_factory=dict)  # program user-output position -> output index
+    params: list[str] = field(default_factory=list)  # canonical FQNs of parameters it holds
+    buffers: list[str] = field(default_factory=list)
+    fwd_time: float = 0.0  # predicted seconds per microbatch (cost model)
+    bwd_time: float = 0.0
+    recv_bytes: int = 0  # activation bytes received per microbatch
+    send_bytes: int = 0
+    modules: list[str] = field(default_factory=list)  # top-level units it runs, for reading
+
+
+@dataclass
+class PipelineProgram:
+    """All stages of one traced program, identical on every rank."""
+
+    stages: list[StageSpec]
+    stage_to_rank: list[int]
+    num_user_inputs: int
+    num_user_outputs: int
+    loss_output: int | None  # position of the loss among the program's user outputs
+    tied: dict[str, list[int]]  # canonical FQN -> stages holding it, for parameters held by several
+    cuts: list[tuple[str, str]]  # (module, "beginning" | "end") where each stage after the first starts
+
+    def stages_of(self, rank: int) -> list[StageSpec]:
+        return [s for s in self.stages if s.rank == rank]
