@@ -52,6 +52,12 @@ def _batch_size(flat: list) -> int:
     raise PlanError("no tensor input with a batch dimension: fxpar needs one to cut microbatches")
 
 
+def _traced_batch(program: Program) -> int:
+    """The batch size a program was traced with (dim 0 of its first user tensor input)."""
+    users = {b.placeholder for b in program.inputs if b.kind == "user"}
+    return _batch_size([n.meta.get("val") for n in program.graph.nodes if n.name in users])
+
+
 def _split_batch(flat: list, batch: int, m: int) -> list[list]:
     """Cut every tensor whose dim 0 is the batch into ``m`` microbatches; other values are shared."""
     out = [[] for _ in range(m)]
@@ -101,7 +107,7 @@ class CompiledModel:
     """A model compiled for one plan, on this rank. See :func:`compile`."""
 
     def __init__(self, model, plan: Plan, example_args, example_kwargs, optimizer, *, device,
-                 device_model: DeviceModel, frontend: str, timeout: float):
+                 device_model: DeviceModel, frontend: str, timeout: float, program: Program | None = None):
         self.model, self.plan, self.device_model, self.frontend = model, plan, device_model, frontend
         self.timeout = timeout
         self.world, self.rank = _world()
@@ -128,20 +134,25 @@ class CompiledModel:
         self.stage_to_rank = sched.stage_to_rank(self.schedule_name, plan.pp, self.n_stages)
         self._signatures: dict[tuple, _Compiled] = {}
         self.cuts: list[tuple[str, str]] | None = None
-        self.train = self._compile(example_args, example_kwargs)
+        self.train = self._compile(example_args, example_kwargs, program)
         self._tied_groups = self._make_tied_groups(self.train.pipeline)
         mine = self._my_parameters(self.train.pipeline)
         self.optimizer = optimizer(mine) if optimizer is not None else None
 
     # ---- building ----------------------------------------------------------------------------------
-    def _compile(self, args, kwargs) -> _Compiled:
+    def _compile(self, args, kwargs, program: Program | None = None) -> _Compiled:
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         key = str(spec)
         if key in self._signatures:
             return self._signatures[key]
         mb = _split_batch(flat, self.batch, self.m)[0]
         mb_args, mb_kwargs = pytree.tree_unflatten(mb, spec)
-        program = trace(self.model, mb_args, mb_kwargs, frontend=self.frontend)
+        if program is None:
+            program = trace(self.model, mb_args, mb_kwargs, frontend=self.frontend)
+        elif program.root is not self.model or _traced_batch(program) != self.batch // self.m:
+            raise PlanError(f"the program passed to compile must be fxpar.trace of this model on one microbatch "
+                            f"({self.batch // self.m} of the batch of {self.batch}); it was traced on "
+                            f"{_traced_batch(program)}")
         if self.cuts is None:
             if self.plan.split_points:
                 self.cuts = resolve_split_points(program, self.plan.split_points)
@@ -275,16 +286,17 @@ def _output_val(stage, index):
 
 def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
             *, optimizer=None, device=None, device_model: DeviceModel = H100, frontend: str = "auto",
-            timeout: float | None = None) -> CompiledModel:
+            timeout: float | None = None, program: Program | None = None) -> CompiledModel:
     """Compile ``model`` for ``plan`` on this rank (call it on every rank with the same arguments).
 
     ``example_kwargs`` is one full batch (labels included for training); ``optimizer`` a factory
     ``params -> torch.optim.Optimizer`` applied to the parameters this rank holds. ``timeout``: seconds a
     rank waits for a peer before failing with a message that names it (default 300, or
-    ``FXPAR_TIMEOUT``).
+    ``FXPAR_TIMEOUT``). ``program``: an ``fxpar.trace`` of ``model`` on one microbatch, to compile one
+    trace for several plans without tracing again.
     """
     if isinstance(plan, str):
         plan = Plan.parse(plan)
     timeout = float(timeout if timeout is not None else os.environ.get("FXPAR_TIMEOUT", 300))
     return CompiledModel(model, plan, example_args, dict(example_kwargs or {}), optimizer, device=device,
-                         device_model=device_model, frontend=frontend, timeout=timeout)
+                         device_model=device_model, frontend=frontend, timeout=timeout, program=program)
