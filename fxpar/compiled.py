@@ -163,11 +163,24 @@ class CompiledModel:
             else:
                 self.cuts = balanced_cuts(program, self.n_stages, self.device_model)
         pipeline = split_pipeline(program, self.cuts, self.stage_to_rank)
+        self._annotate_costs(program, pipeline)
         ranks = list(range(self.world))
         runtime = PipelineRuntime(pipeline, self.schedule, self.rank, ranks, None, self.device, self.timeout)
         compiled = _Compiled(program, pipeline, runtime)
         self._signatures[key] = compiled
         return compiled
+
+    def _annotate_costs(self, program: Program, pipeline: PipelineProgram) -> None:
+        """Predicted per-microbatch times and bytes on each stage, and the schedule's bubble."""
+        for spec, cost in zip(pipeline.stages, stage_costs(program, self.cuts, self.device_model)):
+            spec.fwd_time, spec.bwd_time, spec.transfer_time = cost.fwd, cost.bwd, cost.transfer
+            spec.recv_bytes, spec.send_bytes = cost.recv_bytes, cost.send_bytes
+        f = [s.fwd_time for s in pipeline.stages]
+        b = [s.bwd_time for s in pipeline.stages]
+        comm = max((self.device_model.transfer_time(s.send_bytes) for s in pipeline.stages), default=0.0)
+        sim = sched.simulate(self.schedule, self.stage_to_rank,
+                             {"F": f, "B": b, "I": [x / 2 for x in b], "W": [x / 2 for x in b]}, comm=comm)
+        self.predicted = {"step_time": sim.makespan, "bubble": sim.bubble, "device": self.device_model.name}
 
     def _my_parameters(self, pipeline: PipelineProgram) -> list[torch.nn.Parameter]:
         seen, out = set(), []

@@ -133,7 +133,7 @@ def split_pipeline(program: Program, cuts: list[tuple[str, str]], stage_to_rank:
                 new = g.placeholder(a.name)
                 inputs.append(ValueRef(producer, out_index[a]))
                 input_grad.append(a in grad)
-            new.meta = dict(a.meta)
+            new.meta = {k: v for k, v in a.meta.items() if k != meta.COST}  # its cost is the producer's
             env[a] = new
             return new
 

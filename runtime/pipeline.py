@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from fxpar.runtime.schedules import Action
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from fxpar.ir.errors import FxparError
 from fxpar.ir.stage import PipelineProgram, StageSpec
-from fxpar.runtime.schedules import Action
 
 
 class PipelineError(FxparError):
@@ -132,6 +132,12 @@ class PipelineRuntime:
         self.device = torch.device(device)
         self.global_ranks, self.group, self.timeout = global_ranks, group, timeout
         self.stages = {s.index: s for s in pprog.stages_of(me)}
+        # (stage, output) -> how many stages on this rank read it
+        self.local_readers: dict[tuple[int, int], int] = defaultdict(int)
+        for s in self.stages.values():
+            for ref in s.inputs:
+                if not ref.is_user:
+                    self.local_readers[ref.stage, ref.index] += 1
 
     def weights(self, stage: StageSpec) -> list[torch.nn.Parameter]:
         return [p for p in stage.gm.parameters() if p.requires_grad]
@@ -141,7 +147,8 @@ class PipelineRuntime:
         ``losses`` {mb: weighted loss} where the loss is computed, ``outputs`` {mb: {user output: tensor}}."""
         transport = Transport(self.pprog, self.schedule if train else self._forward_only(), self.me,
                               self.global_ranks, self.group, self.device, self.timeout)
-        acts: dict[tuple[int, int, int], torch.Tensor] = {}  # local handoff (stage, out, mb) -> value
+        acts: dict[tuple[int, int, int], torch.Tensor] = {}  # (stage, out, mb) -> value, until read
+        left: dict[tuple[int, int, int], int] = {}  # local stages yet to read it
         grads: dict[tuple[int, int, int], list[torch.Tensor]] = defaultdict(list)
         saved: dict[tuple[int, int], tuple] = {}
         pending_w: dict[tuple[int, int], list] = {}
@@ -158,10 +165,14 @@ class PipelineRuntime:
                 for ref, need in zip(spec.inputs, spec.input_needs_grad):
                     if ref.is_user:
                         v = microbatches[act.mb][ref.index]
-                    elif self.rank_of[ref.stage] == self.me:
-                        v = acts[(ref.stage, ref.index, act.mb)]
                     else:
-                        v = transport.recv(_Msg("act", ref.stage, ref.index, act.mb), self.rank_of[ref.stage])
+                        k = (ref.stage, ref.index, act.mb)
+                        if k not in acts:  # sent once per rank, however many of its stages read it
+                            acts[k] = transport.recv(_Msg("act", *k), self.rank_of[ref.stage])
+                        v = acts[k]
+                        left[k] = left.get(k, self.local_readers[ref.stage, ref.index]) - 1
+                        if left[k] == 0:
+                            del acts[k], left[k]
                     if need and train:
                         v = v.detach().requires_grad_(True)
                     args.append(v)

@@ -270,6 +270,20 @@ def test_shared_pool_is_reused():
     assert multiproc.shared_rank_pool(2, timeout=30) is not pool  # a closed one is replaced
 
 
+def test_restart_and_close_leave_no_processes():
+    pool = multiproc.RankPool(2, timeout=30)
+    first = pool.start().pids
+    pool.restart()
+    second = pool.pids
+    assert pool.restarts == 1 and not set(first) & set(second)
+    pool.close()
+    for pid in first + second:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run(_identity)
+
+
 def test_run_on_ranks_one_shot():
     out = multiproc.run_on_ranks(2, _all_reduce_sum, 2, timeout=30)
     torch.testing.assert_close(out[0], torch.tensor([10.0, 12.0]))

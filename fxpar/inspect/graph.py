@@ -94,6 +94,17 @@ def graph_text(program: Program, module: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def module_text(gm: torch.fx.GraphModule) -> str:
+    """Every node of a GraphModule (a pipeline stage, say), one a line; get_attr parameters by FQN."""
+    lines = []
+    for node in iter_nodes(gm):
+        if node.op == "get_attr" and meta.PARAM not in node.meta and "." in str(node.target):
+            lines.append(f"%{node.target} = param -> {describe_val(node.meta.get(meta.VAL))}")
+        else:
+            lines.append(node_line(node))
+    return "\n".join(lines)
+
+
 def _dot_id(name: str) -> str:
     return '"' + name.replace('"', r"\"") + '"'
 

@@ -7,7 +7,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fxpar.inspect.graph import graph_text, write_picture
+from fxpar.inspect.graph import graph_text, module_text, write_picture
+from fxpar.inspect.stages import format_stage_table, stage_rows
 from fxpar.inspect.table import ModuleRow, format_rows, human, module_rows, select_rows
 from fxpar.ir import meta
 from fxpar.ir.program import Program
@@ -20,6 +21,22 @@ class Report:
     depth: int | None = 3
     module: str | None = None
     pictures: list[Path] = field(default_factory=list)
+    compiled: object | None = None  # a CompiledModel: adds the stage table
+
+    @property
+    def stages(self) -> list[dict]:
+        if self.compiled is None:
+            return []
+        params = self.program.params
+        return stage_rows(self.compiled.pipeline, lambda f: params[f].numel)
+
+    def stage_table(self) -> str:
+        c = self.compiled
+        return format_stage_table(self.stages, getattr(c, "predicted", None), c.schedule_name, c.m)
+
+    def stage_graph(self, index: int) -> str:
+        """The readable graph of pipeline stage ``index`` (parameters under their FQNs)."""
+        return module_text(self.compiled.pipeline.stages[index].gm)
 
     @property
     def total(self) -> ModuleRow:
@@ -41,7 +58,12 @@ class Report:
         return "\n".join(lines)
 
     def to_text(self) -> str:
-        return self.header() + "\n\n" + self.table()
+        text = self.header() + "\n\n" + self.table()
+        if self.compiled is not None:
+            plan = self.compiled.plan
+            text += (f"\n\npipeline: pp={plan.pp}, {len(self.compiled.pipeline.stages)} stages, schedule "
+                     f"{self.compiled.schedule_name}, {self.compiled.m} microbatches\n\n" + self.stage_table())
+        return text
 
     def __str__(self) -> str:
         return self.to_text()
@@ -65,29 +87,40 @@ class Report:
                    "pp_plan": {k: [list(a), list(b)] for k, (a, b) in (info.pp_plan or {}).items()},
                    "layer_container": info.layer_container, "num_layers": info.num_layers},
             "pictures": [str(x) for x in self.pictures],
+            **({"plan": self.compiled.plan.to_dict(), "cuts": [list(c) for c in self.compiled.cuts],
+                "stages": self.stages, "predicted": getattr(self.compiled, "predicted", None)}
+               if self.compiled is not None else {}),
         }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def inspect(program: Program, *, module: str | None = None, depth: int | None = 3, graph: bool = False,
+def inspect(program, *, module: str | None = None, depth: int | None = 3, graph: bool = False,
             picture: str | Path | None = None, file=None, quiet: bool = False) -> Report:
     """Print the module table of ``program`` (and its graph with ``graph=True``); return the :class:`Report`.
+
+    ``program`` is a traced :class:`Program` or a compiled model; for the latter the report adds the
+    stage table (modules, params, predicted times, boundary tensors and bytes, predicted bubble) and
+    ``report.stage_graph(i)`` reads any stage's graph.
 
     ``module`` restricts the table and graph to one module's subtree; ``depth`` how many module levels
     below it the table shows (None: all); ``picture`` writes a DOT file (and SVG where graphviz is
     installed) with one cluster per module.
     """
+    compiled = None
+    if not isinstance(program, Program) and isinstance(getattr(program, "program", None), Program):
+        compiled, program = program, program.program  # a CompiledModel
     if not isinstance(program, Program):
-        raise TypeError(f"fxpar.inspect takes a traced Program (fxpar.trace(...)), got {type(program).__name__}")
+        raise TypeError(f"fxpar.inspect takes a traced Program (fxpar.trace) or a compiled model (fxpar.compile), "
+                        f"got {type(program).__name__}")
     if not any(meta.COST in n.meta for n in program.graph.nodes):
         raise ValueError("the program has no cost metadata; trace it with fxpar.trace")
     rows = module_rows(program)
     if module and module not in rows:
         raise KeyError(f"module {module!r} owns no node or parameter; top-level modules: "
                        f"{sorted(r for r in rows if r and '.' not in r)}")
-    report = Report(program, rows, depth, module)
+    report = Report(program, rows, depth, module, compiled=compiled)
     if picture is not None:
         report.pictures = write_picture(program, picture, module)
     if not quiet:

@@ -42,6 +42,7 @@ class StageSpec:
     buffers: list[str] = field(default_factory=list)
     fwd_time: float = 0.0  # predicted seconds per microbatch (cost model)
     bwd_time: float = 0.0
+    transfer_time: float = 0.0  # predicted seconds of its sends and receives, gradients included
     recv_bytes: int = 0  # activation bytes received per microbatch
     send_bytes: int = 0
     modules: list[str] = field(default_factory=list)  # top-level units it runs, for reading

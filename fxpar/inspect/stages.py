@@ -1,0 +1,67 @@
+"""The stage table of a pipelined program: what each stage runs, holds, costs and sends.
+
+Reads the :class:`~fxpar.ir.stage.PipelineProgram` (routing tables and the predicted per-microbatch
+times the compiler wrote on each stage) and node ``val`` for boundary tensors.
+"""
+
+from __future__ import annotations
+
+from fxpar.inspect.graph import describe_val
+from fxpar.inspect.table import human
+from fxpar.ir.stage import PipelineProgram, StageSpec
+
+
+def _boundary(stage: StageSpec) -> list[str]:
+    """'name f32[2, 8, 64] -> stages 2,3' for each value the stage sends on."""
+    out_node = next(n for n in stage.gm.graph.nodes if n.op == "output")
+    rows = []
+    for node, cons in zip(out_node.args[0], stage.consumers):
+        if cons:
+            rows.append(f"{node.name} {describe_val(node.meta.get('val'))} -> {','.join(map(str, cons))}")
+    return rows
+
+
+def stage_rows(pipeline: PipelineProgram, params_of) -> list[dict]:
+    rows = []
+    for s in pipeline.stages:
+        nxt = pipeline.stages[s.index + 1].first_module if s.index + 1 < len(pipeline.stages) else "(end)"
+        rows.append({
+            "stage": s.index, "rank": s.rank, "from": s.first_module or "(start)", "to": nxt,
+            "params": sum(params_of(f) for f in s.params), "fwd_s": s.fwd_time, "bwd_s": s.bwd_time,
+            "transfer_s": s.transfer_time,
+            "recv_bytes": s.recv_bytes, "send_bytes": s.send_bytes, "sends": _boundary(s),
+            "tied": sorted(f for f in s.params if f in pipeline.tied),
+        })
+    return rows
+
+
+def _secs(s: float) -> str:
+    return f"{s * 1e3:.2f}ms" if s >= 1e-3 else f"{s * 1e6:.1f}us"
+
+
+def format_stage_table(rows: list[dict], predicted: dict | None = None, schedule: str = "",
+                       microbatches: int = 0) -> str:
+    head = ("stage", "rank", "first module", "params", "fwd", "bwd", "transfer", "recv", "send")
+    lines = [head]
+    for r in rows:
+        lines.append((str(r["stage"]), str(r["rank"]), r["from"], human(r["params"]),
+                      _secs(r["fwd_s"]), _secs(r["bwd_s"]), _secs(r["transfer_s"]), human(r["recv_bytes"], "B"),
+                      human(r["send_bytes"], "B")))
+    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
+    text = []
+    for i, line in enumerate(lines):
+        text.append("  ".join(c.ljust(widths[j]) if j == 2 else c.rjust(widths[j]) for j, c in enumerate(line)))
+        if i == 0:
+            text.append("  ".join("-" * w for w in widths))
+    totals = [r["fwd_s"] + r["bwd_s"] + r["transfer_s"] for r in rows]
+    text.append(f"\nslowest stage / mean: {max(totals) / (sum(totals) / len(totals)):.3f} (per microbatch, "
+                "fwd + bwd + transfer)")
+    if predicted:
+        text.append(f"predicted {schedule} step with {microbatches} microbatches on {predicted['device']}: "
+                    f"{_secs(predicted['step_time'])}, bubble {100 * predicted['bubble']:.1f}%")
+    for r in rows:
+        for send in r["sends"]:
+            text.append(f"  stage {r['stage']} sends {send}")
+        if r["tied"]:
+            text.append(f"  stage {r['stage']} shares {', '.join(r['tied'])} (gradients summed across stages)")
+    return "\n".join(text)
