@@ -137,7 +137,8 @@ class CompiledModel:
         self.train = self._compile(example_args, example_kwargs, program)
         self._tied_groups = self._make_tied_groups(self.train.pipeline)
         mine = self._my_parameters(self.train.pipeline)
-        self.optimizer = optimizer(mine) if optimizer is not None else None
+        # a rank whose stages hold no parameter (possible with tiny models) has nothing to optimise
+        self.optimizer = optimizer(mine) if optimizer is not None and mine else None
 
     # ---- building ----------------------------------------------------------------------------------
     def _compile(self, args, kwargs, program: Program | None = None) -> _Compiled:

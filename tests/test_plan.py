@@ -1,0 +1,46 @@
+"""Plan: construction, parsing from a string and from JSON/TOML files, and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fxpar import Plan, PlanError
+
+
+def test_parse_and_world_size():
+    p = Plan.parse("dp=2, pp=2,tp=2,zero=1,microbatches=4,schedule=interleaved_1f1b")
+    assert (p.dp, p.pp, p.tp, p.zero, p.microbatches, p.schedule) == (2, 2, 2, 1, 4, "interleaved_1f1b")
+    assert p.world_size == 8
+    assert Plan.parse("") == Plan()
+
+
+def test_from_files(tmp_path):
+    (tmp_path / "p.json").write_text(json.dumps({"pp": 4, "split_points": {"model.layers.2": "beginning"}}))
+    assert Plan.from_file(tmp_path / "p.json").split_points == {"model.layers.2": "beginning"}
+    (tmp_path / "p.toml").write_text('[plan]\npp = 2\nschedule = "zbv"\nmicrobatches = 8\n')
+    assert Plan.from_file(tmp_path / "p.toml") == Plan(pp=2, schedule="zbv", microbatches=8)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("pp=0", "Plan.pp=0"),
+    ("zero=4", "ZeRO stage"),
+    ("pp=two", "not an integer"),
+    ("ppp=2", "cannot read 'ppp=2'"),
+    ("microbatches=0", "microbatches"),
+])
+def test_bad_plans(text, match):
+    with pytest.raises(PlanError, match=match):
+        Plan.parse(text)
+
+
+def test_bad_split_point_and_file(tmp_path):
+    with pytest.raises(PlanError, match="beginning"):
+        Plan(pp=2, split_points={"model.layers.1": "middle"})
+    (tmp_path / "p.pkl").write_text("")
+    with pytest.raises(PlanError, match="json or .toml"):
+        Plan.from_file(tmp_path / "p.pkl")
+    (tmp_path / "q.json").write_text('{"pipeline": 2}')
+    with pytest.raises(PlanError, match="unknown keys"):
+        Plan.from_file(tmp_path / "q.json")
