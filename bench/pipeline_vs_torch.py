@@ -180,6 +180,7 @@ def summarize(schedule: str, results: list[dict]) -> dict:
     th_med = statistics.median(r0["th_times"])
     diffs = [abs(a - b) for a, b in zip(r0["fx_losses"], r0["th_losses"])]
     return {"schedule": schedule, "fx_med": fx_med, "th_med": th_med, "ratio": fx_med / th_med,
+            "fx_best": min(r0["fx_times"]), "th_best": min(r0["th_times"]),
             "fx_times": r0["fx_times"], "th_times": r0["th_times"], "fx_losses": r0["fx_losses"],
             "th_losses": r0["th_losses"], "first_diff": diffs[0], "max_diff": max(diffs), "cuts": r0["cuts"],
             "balance": r0["balance"], "stage_table": r0["stage_table"], "fx_compile_s": r0["fx_compile_s"],
@@ -194,16 +195,17 @@ def print_summary(s: dict) -> None:
     print(f"predicted balance (max/mean of stage fwd+bwd+transfer): fxpar {s['balance']['fxpar']:.3f}, "
           f"even layers {s['balance']['even']:.3f}")
     print(f"build: fxpar compile {s['fx_compile_s']:.1f} s, torch pipeline+stage {s['th_build_s']:.1f} s")
-    print(f"losses per step (fxpar / torch): " + ", ".join(
+    print("losses per step (fxpar / torch): " + ", ".join(
         f"{a:.6f}/{b:.6f}" for a, b in zip(s["fx_losses"], s["th_losses"])))
     print(f"first-step |dloss| {s['first_diff']:.2e}, worst over all steps {s['max_diff']:.2e}")
     print(f"step times ms  fxpar: {', '.join(_ms(t) for t in s['fx_times'])}")
     print(f"step times ms  torch: {', '.join(_ms(t) for t in s['th_times'])}")
     print(f"median step: fxpar {_ms(s['fx_med'])} ms, torch {_ms(s['th_med'])} ms, ratio fxpar/torch "
-          f"{s['ratio']:.3f}")
+          f"{s['ratio']:.3f}  (best: fxpar {_ms(s['fx_best'])} ms, torch {_ms(s['th_best'])} ms, ratio "
+          f"{s['fx_best'] / s['th_best']:.3f})")
 
 
-def markdown(summaries: list[dict], a) -> str:
+def markdown(summaries: list[dict], a, load: tuple[float, float]) -> str:
     c = MODEL_CONFIG
     now = datetime.date.today().isoformat()
     mach = f"{platform.machine()} {os.cpu_count()} threads, {platform.system()} {platform.release()}"
@@ -215,14 +217,15 @@ def markdown(summaries: list[dict], a) -> str:
              f"{a.seq}, {a.microbatches} microbatches, AdamW lr {LR}; 2 gloo ranks, one torch thread each, in "
              f"the same processes; {a.warmup} warm-up steps then {a.steps} timed steps of each, interleaved, "
              f"barrier-to-barrier on rank 0 (`bench/pipeline_vs_torch.py`). fxpar cuts automatically; torch "
-             f"uses torchtitan's even split `model.layers.{c['num_hidden_layers'] // 2}` BEGINNING.\n",
+             f"uses torchtitan's even split `model.layers.{c['num_hidden_layers'] // 2}` BEGINNING. 1-minute load "
+             f"average {load[0]:.1f} before, {load[1]:.1f} after (other jobs shared the 2 cores).\n",
              "| schedule | fxpar cut | predicted balance fxpar / even | fxpar median ms | torch median ms "
-             "| fxpar/torch | loss step 1 fxpar / torch | worst \\|dloss\\| |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| fxpar/torch | best ms fxpar / torch | loss step 1 fxpar / torch | worst \\|dloss\\| |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         cut = ", ".join(m for m, _ in s["cuts"])
         lines.append(f"| {s['schedule']} | {cut} | {s['balance']['fxpar']:.3f} / {s['balance']['even']:.3f} | "
-                     f"{_ms(s['fx_med'])} | {_ms(s['th_med'])} | {s['ratio']:.3f} | "
+                     f"{_ms(s['fx_med'])} | {_ms(s['th_med'])} | {s['ratio']:.3f} | {_ms(s['fx_best'])} / {_ms(s['th_best'])} | "
                      f"{s['fx_losses'][0]:.6f} / {s['th_losses'][0]:.6f} | {s['max_diff']:.1e} |")
     lines.append("")
     for s in summaries:
@@ -247,6 +250,7 @@ def main() -> None:
 
     schedules = ["1f1b", "gpipe"] if a.schedule == "both" else [a.schedule]
     summaries = []
+    load_before = os.getloadavg()[0]
     with RankPool(2) as pool:
         for schedule in schedules:
             results = pool.run(bench_rank, schedule, a.steps, a.warmup, a.batch, a.seq, a.microbatches,
@@ -259,7 +263,7 @@ def main() -> None:
         print(f"\nWARNING: first-step losses differ by more than {LOSS_TOL} for {bad}: the comparison is not fair")
     if a.write:
         with open(a.write, "a") as f:
-            f.write(markdown(summaries, a))
+            f.write(markdown(summaries, a, (load_before, os.getloadavg()[0])))
         print(f"\nappended to {a.write}")
     if bad:
         sys.exit(1)

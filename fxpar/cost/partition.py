@@ -176,7 +176,14 @@ class _Costs:
                          self.pp[b] - self.pp[a], xfer)
 
     def total(self, a: int, b: int) -> float:
-        return self.stage(a, b).total
+        """``stage(a, b).total`` without building the record (the dynamic program calls this a lot)."""
+        d, n = self.device, len(self.times)
+        xfer = 0.0
+        if a and self.cross[a]:
+            xfer += self.cross[a] / d.link_bw + d.link_latency
+        if b < n and self.cross[b]:
+            xfer += self.cross[b] / d.link_bw + d.link_latency
+        return self.pf[b] - self.pf[a] + self.pb[b] - self.pb[a] + 2 * xfer
 
 
 def stage_costs(program: Program, cuts: list[tuple[str, str]], device: DeviceModel = H100) -> list[StageCost]:

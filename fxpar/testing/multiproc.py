@@ -355,7 +355,7 @@ class RankPool:
 
     def _fail(self, what: str, timeout: float, replies: _Replies) -> RankFailure:
         """Dump the stacks of ranks still running, tear the pool down, and describe it all."""
-        if self.capture_output:
+        if self.capture_output and replies.pending:
             _rankworker.dump_stacks([self._workers[r] for r in replies.pending])
         outputs = {w.rank: w.new_output() for w in self._workers}
         self._teardown()
