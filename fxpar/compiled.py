@@ -20,7 +20,14 @@ from torch.utils import _pytree as pytree
 
 from fxpar.api import trace
 from fxpar.cost.device import H100, DeviceModel
-from fxpar.cost.partition import StageCost, balanced_cuts, resolve_split_points, stage_costs
+from fxpar.cost.partition import (
+    StageCost,
+    balanced_cuts,
+    candidate_modules,
+    cut_positions,
+    resolve_split_points,
+    stage_costs,
+)
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
@@ -173,8 +180,10 @@ class CompiledModel:
 
     def _annotate_costs(self, program: Program, pipeline: PipelineProgram) -> None:
         """Predicted per-microbatch times and bytes on each stage, and the schedule's bubble."""
+        units = cut_positions(program, candidate_modules(program))
         for spec, cost in zip(pipeline.stages, stage_costs(program, self.cuts, self.device_model)):
             spec.fwd_time, spec.bwd_time, spec.transfer_time = cost.fwd, cost.bwd, cost.transfer
+            spec.modules = [m for pos, m in units.items() if cost.start <= pos < cost.end]
             spec.recv_bytes, spec.send_bytes = cost.recv_bytes, cost.send_bytes
         f = [s.fwd_time for s in pipeline.stages]
         b = [s.bwd_time for s in pipeline.stages]

@@ -134,8 +134,11 @@ def inference_and_state(name: str) -> dict:
     infer = {k: v for k, v in batch.items() if k != "labels"}
     logits = compiled(**infer).logits
     logits_diff = (logits - ref(**infer).logits).abs().max().item()
+    report = fxpar.inspect(compiled, quiet=True)
     return {"keys": sorted(state) == sorted(ref_state), "state": state_diff, "logits": logits_diff,
-            "cuts": compiled.cuts, "stages": [s.first_module for s in compiled.pipeline.stages]}
+            "cuts": compiled.cuts, "stages": [s.first_module for s in compiled.pipeline.stages],
+            "table": report.to_text(), "rows": report.to_dict()["stages"], "graph1": report.stage_graph(1),
+            "tied": compiled.pipeline.tied}
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -144,6 +147,15 @@ def test_inference_full_state_dict_and_explicit_split(name, pool2):
         assert r["keys"], "full_state_dict keys differ from the model's state_dict"
         assert r["state"] <= TOL and r["logits"] <= TOL, r
         assert r["stages"][1] in ("model.layers.1", "transformer.h.1")
+        # inspection: the stage table, predicted bubble, boundary tensors, any stage's graph
+        assert "pipeline: pp=2, 2 stages, schedule 1f1b, 2 microbatches" in r["table"]
+        assert "bubble" in r["table"] and "stage 0 sends" in r["table"]
+        assert [row["stage"] for row in r["rows"]] == [0, 1] and r["rows"][1]["params"] > 0
+        assert r["rows"][0]["send_bytes"] == r["rows"][1]["recv_bytes"] > 0
+        assert ".1." in r["graph1"] and "= input ->" in r["graph1"]
+        if name == "gpt2":  # tied embedding and head on different stages: shared, gradients summed
+            assert r["tied"] == {"transformer.wte.weight": [0, 1]}
+            assert "shares transformer.wte.weight" in r["table"]
 
 
 # ---- bad input: clear errors before any communication, nothing hangs ----------------------------------

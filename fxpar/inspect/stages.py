@@ -30,7 +30,7 @@ def stage_rows(pipeline: PipelineProgram, params_of) -> list[dict]:
             "params": sum(params_of(f) for f in s.params), "fwd_s": s.fwd_time, "bwd_s": s.bwd_time,
             "transfer_s": s.transfer_time,
             "recv_bytes": s.recv_bytes, "send_bytes": s.send_bytes, "sends": _boundary(s),
-            "tied": sorted(f for f in s.params if f in pipeline.tied),
+            "tied": sorted(f for f in s.params if f in pipeline.tied), "modules": list(s.modules),
         })
     return rows
 
@@ -41,10 +41,12 @@ def _secs(s: float) -> str:
 
 def format_stage_table(rows: list[dict], predicted: dict | None = None, schedule: str = "",
                        microbatches: int = 0) -> str:
-    head = ("stage", "rank", "first module", "params", "fwd", "bwd", "transfer", "recv", "send")
+    head = ("stage", "rank", "modules", "params", "fwd", "bwd", "transfer", "recv", "send")
     lines = [head]
     for r in rows:
-        lines.append((str(r["stage"]), str(r["rank"]), r["from"], human(r["params"]),
+        last = r["modules"][-1] if r["modules"] else r["from"]
+        span = r["from"] if last == r["from"] else f"{r['from']} .. {last}"
+        lines.append((str(r["stage"]), str(r["rank"]), span, human(r["params"]),
                       _secs(r["fwd_s"]), _secs(r["bwd_s"]), _secs(r["transfer_s"]), human(r["recv_bytes"], "B"),
                       human(r["send_bytes"], "B")))
     widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
