@@ -81,14 +81,16 @@ def _split_batch(flat: list, batch: int, m: int) -> list[list]:
 def _loss_weights(program: Program, microbatches: list[list], model: torch.nn.Module) -> list[float]:
     """Each microbatch's share of the whole batch's mean loss: its count of counted label tokens.
 
-    HF losses average over label tokens that are not ``-100``; causal LMs shift labels by one first
-    (``loss_type == "ForCausalLM"``). Without labels, microbatches weigh the same.
+    HF losses average over label tokens that are not ``-100``; causal LMs shift labels by one first.
+    Which loss a model uses is decided as transformers decides it: ``model.loss_type``, else the class
+    name's task suffix. Without labels, microbatches weigh the same.
     """
     flat_keys = _flat_kwarg_names(program)
     if "labels" not in flat_keys:
         return [1.0 / len(microbatches)] * len(microbatches)
     idx = flat_keys.index("labels")
-    shift = getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM")
+    loss_type = getattr(model, "loss_type", None) or type(model).__name__
+    shift = loss_type.endswith("ForCausalLM")
     counts = []
     for mb in microbatches:
         labels = mb[idx]
@@ -280,9 +282,13 @@ class CompiledModel:
             for fqn in stage.params + stage.buffers:
                 owner.setdefault(fqn, stage.rank)
         out = {}
+        program = self.train.program
         for name, value in self.model.state_dict(keep_vars=True).items():
-            fqn = self.train.program.canonical(name) if name in self.train.program._alias else name
-            t = self.train.program.tensor(fqn) if fqn in self.train.program.params else value
+            try:
+                fqn = program.canonical(name)
+            except KeyError:  # a tensor the traced graph does not bind
+                fqn = name
+            t = program.tensor(fqn) if fqn in program.params else value
             full = t.detach().clone() if owner.get(fqn, self.rank) == self.rank else torch.empty_like(t)
             if self.world > 1 and fqn in owner:
                 dist.broadcast(full, src=owner[fqn])

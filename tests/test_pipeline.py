@@ -222,3 +222,25 @@ def test_balance_on_llama3_8b_shape():
         print(f"pp={pp}: max/mean fxpar {ours:.3f}, even layers {even:.3f}, parameter count {params:.3f}")
         assert ours <= 1.10
         assert ours < even and ours < params
+
+
+def uneven_labels() -> tuple[float, float, float]:
+    """Microbatches with different numbers of ignored (-100) labels: the loss is still the batch mean."""
+    model = zoo.build("llama", seed=0)
+    batch = zoo.example_inputs("llama", model, batch=4, seq=8)
+    batch["labels"] = batch["labels"].clone()
+    batch["labels"][:2, :6] = -100  # the first microbatch counts far fewer tokens
+    compiled = fxpar.compile(model, fxpar.Plan(pp=2, microbatches=2), example_kwargs=batch, timeout=60)
+    loss = compiled.step(**batch)
+    ref = zoo.build("llama", seed=0)
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    ref_grads = grads_by_fqn(ref)
+    grad = max((p.grad - ref_grads[n]).abs().max().item()
+               for s in compiled.pipeline.stages_of(dist.get_rank()) for n, p in s.gm.named_parameters())
+    return loss.item(), ref_loss.item(), grad
+
+
+def test_loss_weights_follow_counted_label_tokens(pool2):
+    for loss, ref_loss, grad in pool2.run(uneven_labels, timeout=120):
+        assert abs(loss - ref_loss) <= TOL and grad <= TOL, (loss, ref_loss, grad)
