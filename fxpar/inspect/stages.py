@@ -7,7 +7,7 @@ times the compiler wrote on each stage) and node ``val`` for boundary tensors.
 from __future__ import annotations
 
 from fxpar.inspect.graph import describe_val
-from fxpar.inspect.table import human
+from fxpar.inspect.table import columns, human
 from fxpar.ir.stage import PipelineProgram, StageSpec
 
 
@@ -49,12 +49,7 @@ def format_stage_table(rows: list[dict], predicted: dict | None = None, schedule
         lines.append((str(r["stage"]), str(r["rank"]), span, human(r["params"]),
                       _secs(r["fwd_s"]), _secs(r["bwd_s"]), _secs(r["transfer_s"]), human(r["recv_bytes"], "B"),
                       human(r["send_bytes"], "B")))
-    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
-    text = []
-    for i, line in enumerate(lines):
-        text.append("  ".join(c.ljust(widths[j]) if j == 2 else c.rjust(widths[j]) for j, c in enumerate(line)))
-        if i == 0:
-            text.append("  ".join("-" * w for w in widths))
+    text = [columns(lines, left=2)]
     totals = [r["fwd_s"] + r["bwd_s"] + r["transfer_s"] for r in rows]
     text.append(f"\nslowest stage / mean: {max(totals) / (sum(totals) / len(totals)):.3f} (per microbatch, "
                 "fwd + bwd + transfer)")

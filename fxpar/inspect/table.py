@@ -103,10 +103,15 @@ def format_rows(rows: list[ModuleRow]) -> str:
         name = ("  " * r.depth + r.module.rpartition(".")[2]) if r.module else "(total)"
         lines.append((name, human(r.params), human(r.flops), human(r.bwd_flops),
                       human(r.activation_bytes, "B"), f"{100 * r.share:5.1f}%"))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return columns(lines, left=0)
+
+
+def columns(lines: list[tuple[str, ...]], left: int) -> str:
+    """Rows of cells as aligned text: the first row is the header, column ``left`` left-aligned."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     out = []
     for i, line in enumerate(lines):
-        out.append("  ".join(c.ljust(widths[j]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(line)))
+        out.append("  ".join(c.ljust(widths[j]) if j == left else c.rjust(widths[j]) for j, c in enumerate(line)))
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)

@@ -173,6 +173,11 @@ def _plain_tensor_mismatch(
     return _Mismatch(path, text, max_diff)
 
 
+def _type_mismatch(path: str, actual: Any, expected: Any) -> _Mismatch:
+    return _Mismatch(path, f"type {type(actual).__name__} != expected {type(expected).__name__}", math.inf,
+                     "structure")
+
+
 def _compare(
     actual: Any,
     expected: Any,
@@ -184,14 +189,7 @@ def _compare(
 ) -> None:
     if isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
         if not (isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)):
-            out.append(
-                _Mismatch(
-                    path,
-                    f"type {type(actual).__name__} != expected {type(expected).__name__}",
-                    math.inf,
-                    "structure",
-                )
-            )
+            out.append(_type_mismatch(path, actual, expected))
             return
         a, b = _to_plain(actual), _to_plain(expected)
         a_ranks = a if isinstance(a, dict) else None
@@ -217,14 +215,7 @@ def _compare(
     a_children, b_children = _children(actual), _children(expected)
     if a_children is not None or b_children is not None:
         if a_children is None or b_children is None or _kind(actual) != _kind(expected):
-            out.append(
-                _Mismatch(
-                    path,
-                    f"type {type(actual).__name__} != expected {type(expected).__name__}",
-                    math.inf,
-                    "structure",
-                )
-            )
+            out.append(_type_mismatch(path, actual, expected))
             return
         if _kind(actual) == "mapping":
             ak = [k for k, _ in a_children]
