@@ -30,6 +30,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.fx
+
+from fxpar.ir.errors import FxparError
 from fxpar.runtime.groups import (  # noqa: F401  (re-exported: the ops' public API)
     _dist_up,
     group_size,
@@ -40,8 +42,6 @@ from fxpar.runtime.groups import (  # noqa: F401  (re-exported: the ops' public 
     resolve_group,
     unregister_group,
 )
-
-from fxpar.ir.errors import FxparError
 
 __all__ = [
     "COLLECTIVE_OPS",

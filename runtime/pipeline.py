@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from fxpar.runtime.schedules import Action
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from fxpar.ir.errors import FxparError
 from fxpar.ir.stage import PipelineProgram, StageSpec
+from fxpar.runtime.schedules import Action
 
 
 class PipelineError(FxparError):

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from fxpar.runtime import groups, ops
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxpar.ir.errors import FxparError
+from fxpar.runtime import groups, ops
 from fxpar.testing import multiproc
 
 pool2 = multiproc.rank_pool(2)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from fxpar.ir.errors import PlanError
 from fxpar.runtime.schedules import (
     SCHEDULES,
     Action,
@@ -14,8 +16,6 @@ from fxpar.runtime.schedules import (
     stages_per_rank,
     validate,
 )
-
-from fxpar.ir.errors import PlanError
 
 
 def _cases():

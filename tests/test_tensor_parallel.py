@@ -9,7 +9,6 @@ minimum of collectives.
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
