@@ -33,6 +33,8 @@ from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.stage import PipelineProgram
 from fxpar.passes.pipeline_split import split_pipeline
+from fxpar.passes.tensor_parallel import tensor_parallel
+from fxpar.runtime import ops as fxops
 from fxpar.runtime import schedules as sched
 from fxpar.runtime.pipeline import PipelineRuntime
 
@@ -124,9 +126,14 @@ class CompiledModel:
             raise PlanError(f"plan dp={plan.dp} x pp={plan.pp} x tp={plan.tp} needs {plan.world_size} ranks, but the "
                             f"world has {self.world}; launch with torchrun --nproc_per_node {plan.world_size} or "
                             "change the degrees")
-        if plan.dp > 1 or plan.tp > 1 or plan.zero:
-            raise PlanError("this fxpar build runs pipeline parallelism only (dp=1, tp=1, zero=0); data and "
-                            "tensor parallelism are not part of it yet")
+        if plan.dp > 1 or plan.zero:
+            raise PlanError("this fxpar build runs pipeline and tensor parallelism (dp=1, zero=0); data "
+                            "parallelism and ZeRO are not part of it yet")
+        # ranks: TP innermost (it stays within a node), then PP: rank = pp_rank * tp + tp_rank
+        self.tp, self.tp_rank, self.pp_rank = plan.tp, self.rank % plan.tp, self.rank // plan.tp
+        self.pp_ranks = [p * plan.tp + self.tp_rank for p in range(plan.pp)]  # my pipeline's global ranks
+        self.tp_info: dict = {"sharded": {}}
+        self._tp_shards: dict[str, torch.Tensor] = {}  # this rank's TP shards, shared by every signature
         self.schedule_name = sched.normalize_schedule(plan.schedule)
         v = sched.stages_per_rank(self.schedule_name, plan.virtual_stages)
         self.n_stages = plan.pp * v
@@ -143,6 +150,8 @@ class CompiledModel:
         self.stage_to_rank = sched.stage_to_rank(self.schedule_name, plan.pp, self.n_stages)
         self._signatures: dict[tuple, _Compiled] = {}
         self.cuts: list[tuple[str, str]] | None = None
+        if plan.tp > 1:  # the only collective before tracing: every rank creates every TP group
+            fxops.new_subgroups("tp", [[p * plan.tp + t for t in range(plan.tp)] for p in range(plan.pp)])
         self.train = self._compile(example_args, example_kwargs, program)
         self._tied_groups = self._make_tied_groups(self.train.pipeline)
         mine = self._my_parameters(self.train.pipeline)
@@ -172,10 +181,15 @@ class CompiledModel:
                                     f"{self.n_stages}; give {self.n_stages - 1} split points")
             else:
                 self.cuts = balanced_cuts(program, self.n_stages, self.device_model)
+        full = program
+        if self.tp > 1:
+            styles = self.plan.tp_plan if isinstance(self.plan.tp_plan, dict) else None
+            program, self.tp_info = tensor_parallel(program, self.tp, self.tp_rank, styles, group="tp",
+                                                    shards=self._tp_shards)
         pipeline = split_pipeline(program, self.cuts, self.stage_to_rank)
-        self._annotate_costs(program, pipeline)
-        ranks = list(range(self.world))
-        runtime = PipelineRuntime(pipeline, self.schedule, self.rank, ranks, None, self.device, self.timeout)
+        self._annotate_costs(full, pipeline)
+        runtime = PipelineRuntime(pipeline, self.schedule, self.pp_rank, self.pp_ranks, None, self.device,
+                                  self.timeout)
         compiled = _Compiled(program, pipeline, runtime)
         self._signatures[key] = compiled
         return compiled
@@ -196,7 +210,7 @@ class CompiledModel:
 
     def _my_parameters(self, pipeline: PipelineProgram) -> list[torch.nn.Parameter]:
         seen, out = set(), []
-        for stage in pipeline.stages_of(self.rank):
+        for stage in pipeline.stages_of(self.pp_rank):
             for p in stage.gm.parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
@@ -208,8 +222,12 @@ class CompiledModel:
         groups = []
         for fqn, stages in sorted(pipeline.tied.items()):
             ranks = sorted({self.stage_to_rank[s] for s in stages})
-            if len(ranks) > 1:
-                groups.append((fqn, ranks, dist.new_group(ranks) if self.world > 1 else None))
+            if len(ranks) > 1:  # one group per TP rank, created by every rank in the same order
+                mine = None
+                for t in range(self.tp):
+                    g = dist.new_group([r * self.tp + t for r in ranks])
+                    mine = g if t == self.tp_rank else mine
+                groups.append((fqn, ranks, mine))
         return groups
 
     # ---- running -----------------------------------------------------------------------------------
@@ -234,7 +252,7 @@ class CompiledModel:
         weights = _loss_weights(compiled.program, mbs, self.model)
         result = compiled.runtime.run(mbs, train=True, loss_weights=weights)
         for fqn, ranks, group in self._tied_groups:
-            if self.rank in ranks:
+            if self.pp_rank in ranks:
                 p = compiled.program.tensor(fqn)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -244,7 +262,7 @@ class CompiledModel:
         if result["losses"]:
             loss = sum(result["losses"][i].detach() for i in sorted(result["losses"])).to(self.device).reshape(())
         if self.world > 1:
-            dist.broadcast(loss, src=loss_stage.rank)
+            dist.broadcast(loss, src=loss_stage.rank * self.tp)  # TP rank 0 of the loss stage
         if self.optimizer is not None:
             self.optimizer.step()
         return loss
@@ -263,35 +281,47 @@ class CompiledModel:
                 outs.append(None)
                 continue
             val = _output_val(stage, stage.final[j])
-            if stage.rank == self.rank:
+            if stage.rank == self.pp_rank:
                 parts = [result["outputs"][i][j] for i in range(self.m)]
                 full = torch.cat(parts) if val.dim() > 0 else sum(parts) / self.m
             else:
                 shape = (val.shape[0] * self.m, *val.shape[1:]) if val.dim() > 0 else ()
                 full = torch.empty(shape, dtype=val.dtype, device=self.device)
             if self.world > 1:
-                dist.broadcast(full, src=stage.rank)
+                dist.broadcast(full, src=stage.rank * self.tp)
             outs.append(full)
         return pytree.tree_unflatten(outs, program.out_spec)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors keyed by the original FQNs (tied parameters under each name), on every rank."""
-        pipeline = self.train.pipeline
+        """Full tensors keyed by the original FQNs (tied parameters under each name), on every rank.
+
+        TP shards are gathered within the owning stage's TP group, then sent from its TP rank 0.
+        """
+        pipeline, program = self.train.pipeline, self.train.program
         owner: dict[str, int] = {}
         for stage in pipeline.stages:
             for fqn in stage.params + stage.buffers:
                 owner.setdefault(fqn, stage.rank)
         out = {}
-        program = self.train.program
         for name, value in self.model.state_dict(keep_vars=True).items():
             try:
                 fqn = program.canonical(name)
             except KeyError:  # a tensor the traced graph does not bind
                 fqn = name
-            t = program.tensor(fqn) if fqn in program.params else value
-            full = t.detach().clone() if owner.get(fqn, self.rank) == self.rank else torch.empty_like(t)
+            local = program.tensor(fqn) if fqn in program.params else value
+            d = self.tp_info["sharded"].get(fqn)
+            shape = list(local.shape)
+            if d is not None:
+                shape[d] *= self.tp
+            mine = owner.get(fqn, self.pp_rank) == self.pp_rank
+            if d is not None and mine:
+                parts = [torch.empty_like(local) for _ in range(self.tp)]
+                dist.all_gather(parts, local.detach().contiguous(), group=fxops.resolve_group("tp"))
+                full = torch.cat(parts, dim=d)
+            else:
+                full = local.detach().clone() if mine else torch.empty(shape, dtype=local.dtype, device=local.device)
             if self.world > 1 and fqn in owner:
-                dist.broadcast(full, src=owner[fqn])
+                dist.broadcast(full, src=owner[fqn] * self.tp)
             out[name] = full
         return out
 

@@ -382,8 +382,14 @@ def _is_pointwise(old: torch.fx.Node) -> bool:
 
 
 def tensor_parallel(program: Program, tp: int, rank: int, styles: dict[str, str] | None = None,
-                    group: str = "tp") -> tuple[Program, dict]:
-    """This rank's program: sharded parameters, collectives in the graph, local shapes."""
+                    group: str = "tp", shards: dict[str, torch.Tensor] | None = None) -> tuple[Program, dict]:
+    """This rank's program: sharded parameters, collectives in the graph, local shapes.
+
+    ``shards``: this rank's shard tensors by FQN from an earlier call (another traced signature of the
+    same model, e.g. inference after training), bound again instead of slicing the model's tensors;
+    new shards are added to it.
+    """
+    shards = {} if shards is None else shards
     plan = styles if styles is not None else (program.info.tp_plan or {})
     resolved = resolve_styles(program, plan)
     rw = _Rewriter(program, resolved, tp, rank, group)
@@ -395,9 +401,12 @@ def tensor_parallel(program: Program, tp: int, rank: int, styles: dict[str, str]
         t = program.tensor(fqn)
         d = rw.param_dim.get(fqn)
         if d is not None:
-            piece = t.detach().chunk(tp, dim=d)[rank].clone()
-            t = torch.nn.Parameter(piece, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else piece
-            info = ParamInfo(info.fqn, tuple(piece.shape), info.dtype, info.requires_grad, info.is_buffer, info.aliases)
+            if fqn not in shards:
+                piece = t.detach().chunk(tp, dim=d)[rank].clone()
+                shards[fqn] = torch.nn.Parameter(piece, requires_grad=t.requires_grad) \
+                    if isinstance(t, torch.nn.Parameter) else piece
+            t = shards[fqn]
+            info = ParamInfo(info.fqn, tuple(t.shape), info.dtype, info.requires_grad, info.is_buffer, info.aliases)
         tensors[fqn], params[fqn] = t, info
     local = Program(gm, inputs=program.inputs, outputs=program.outputs, in_spec=program.in_spec,
                     out_spec=program.out_spec, params=params, tensors=tensors, constants=program.constants,
