@@ -32,7 +32,7 @@ from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.stage import PipelineProgram
-from fxpar.passes.pipeline_split import split_pipeline
+from fxpar.passes.pipeline_split import loss_position, split_pipeline
 from fxpar.passes.tensor_parallel import tensor_parallel
 from fxpar.runtime import ops as fxops
 from fxpar.runtime import schedules as sched
@@ -184,8 +184,10 @@ class CompiledModel:
         full = program
         if self.tp > 1:
             styles = self.plan.tp_plan if isinstance(self.plan.tp_plan, dict) else None
+            loss = loss_position(program)
+            keep = None if loss is None else {[i for i, b in enumerate(program.outputs) if b.kind == "user"][loss]}
             program, self.tp_info = tensor_parallel(program, self.tp, self.tp_rank, styles, group="tp",
-                                                    shards=self._tp_shards)
+                                                    shards=self._tp_shards, keep_outputs=keep)
         pipeline = split_pipeline(program, self.cuts, self.stage_to_rank)
         self._annotate_costs(full, pipeline)
         runtime = PipelineRuntime(pipeline, self.schedule, self.pp_rank, self.pp_ranks, None, self.device,

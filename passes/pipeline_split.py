@@ -156,14 +156,14 @@ def split_pipeline(program: Program, cuts: list[tuple[str, str]], stage_to_rank:
             output_needs_grad=[n in grad for n in outputs[s]],
             consumers=[sorted(consumers[n]) for n in outputs[s]], final=final, params=params, buffers=buffers))
 
-    loss_output = _loss_position(program)
+    loss_output = loss_position(program)
     return PipelineProgram(stages=stages, stage_to_rank=list(stage_to_rank),
                            num_user_inputs=sum(1 for b in program.inputs if b.kind == "user"),
                            num_user_outputs=len(user_positions), loss_output=loss_output,
                            tied={k: v for k, v in tied.items() if len(v) > 1}, cuts=list(cuts))
 
 
-def _loss_position(program: Program) -> int | None:
+def loss_position(program: Program) -> int | None:
     """Position of ``loss`` among the flattened user outputs of an HF ModelOutput, if any."""
     spec = program.out_spec
     keys = spec.context if isinstance(spec.context, list) else None

@@ -77,6 +77,7 @@ class _Rewriter:
         self.param_dim: dict[str, int] = {}  # canonical FQN -> sharded dim
         self.fallbacks: list[str] = []
         self.grad_flows = needs_grad(program)  # old nodes a gradient flows through
+        self.keep_outputs: set[int] | None = None  # graph outputs to compute (None: all)
 
     # ---- helpers ------------------------------------------------------------------------------------
     def call(self, target, args, kwargs=None, like: torch.fx.Node | None = None, shard: int | None = None):
@@ -120,8 +121,9 @@ class _Rewriter:
                 new.meta = dict(old.meta)
                 self.place[new] = None
             elif old.op == "output":
-                outs = [self.replicate(self.env[a], a) if isinstance(a, torch.fx.Node) else a
-                        for a in old.args[0]]
+                outs = [None if self.keep_outputs is not None and i not in self.keep_outputs
+                        else self.replicate(self.env[a], a) if isinstance(a, torch.fx.Node) else a
+                        for i, a in enumerate(old.args[0])]
                 new = self.graph.output(tuple(outs))
             else:
                 new = self.rewrite(old)
@@ -179,6 +181,8 @@ class _Rewriter:
             return self.keep(old, args, kwargs, lambda d: d)
         if pkt is aten.scaled_dot_product_attention:
             return self.attention(old, args, kwargs)
+        if pkt is aten.cross_entropy_loss and self.place.get(args[0]) == self.ndim(old.args[0]) - 1:
+            return self.vocab_parallel_cross_entropy(old, args, kwargs)
         if pkt is aten.slice and self.place.get(args[0]) is not None:
             dim = (old.args[1] if len(old.args) > 1 else 0) % self.ndim(old)
             if dim != self.place[args[0]]:
@@ -216,9 +220,7 @@ class _Rewriter:
                                             shard=None)
             out = self.call(old.target, (self.f_cache[x], w, b) if b is not None else (self.f_cache[x], w),
                             like=old, shard=last)
-            if self.style_of(old) == "colwise_gather_output":
-                out = self.call(fxpar_ops.all_gather.default, (out, self.group, last), like=old, shard=None)
-            return out
+            return out  # colwise_gather_output too: gathered only where a consumer needs the full tensor
         if wd == 1:  # row-parallel
             x = self.slice_to(x, xo, self.ndim(xo) - 1)
             out = self.call(old.target, (x, w), like=old, shard=None)
@@ -301,6 +303,39 @@ class _Rewriter:
         parts = [self.replicate(p, o) for p, o in zip(parts, olds)]
         return self.call(old.target, (parts, *args[1:]), kwargs, like=old, shard=None)
 
+    def vocab_parallel_cross_entropy(self, old, args, kwargs):
+        """Cross-entropy over vocabulary-sharded logits without gathering them: the max, the sum of
+        exponentials and the target's logit are reduced across ranks (Megatron's parallel loss).
+        Every all-reduce's backward is the identity: the loss is replicated on every rank."""
+        names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+        given = dict(zip(names, args)) | dict(kwargs)
+        reduction, ignore = given.get("reduction", 1), given.get("ignore_index", -100)
+        if given.get("weight") is not None or given.get("label_smoothing", 0.0) or old.args[0].meta[meta.VAL].dim() != 2:
+            return self.pointwise_or_gather(old, args, kwargs, force_gather=True)
+        x, target = given["input"], given["target"]
+        vocab = old.args[0].meta[meta.VAL].shape[-1]
+        per = vocab // self.tp
+        c = lambda target_, *a, shard=None: self.call(target_, a, like=old, shard=shard)  # noqa: E731
+        x = c(aten.to.dtype, x, torch.float32, shard=1)
+        top = c(fxpar_ops.all_reduce.default, c(aten.amax.default, c(aten.detach.default, x, shard=1), [-1]),
+                self.group, "max")
+        shifted = c(aten.sub.Tensor, x, c(aten.unsqueeze.default, top, -1), shard=1)
+        sumexp = c(fxpar_ops.all_reduce.default, c(aten.sum.dim_IntList, c(aten.exp.default, shifted, shard=1), [-1]),
+                   self.group)
+        local = c(aten.sub.Tensor, target, self.rank * per)
+        inside = c(aten.__and__.Tensor, c(aten.ge.Scalar, local, 0), c(aten.lt.Scalar, local, per))
+        index = c(aten.unsqueeze.default, c(aten.masked_fill.Scalar, local, c(aten.logical_not.default, inside), 0), -1)
+        picked = c(aten.squeeze.dim, c(aten.gather.default, shifted, 1, index), -1)
+        picked = c(fxpar_ops.all_reduce.default, c(aten.mul.Tensor, picked, inside), self.group)
+        valid = c(aten.ne.Scalar, target, ignore)
+        per_token = c(aten.mul.Tensor, c(aten.sub.Tensor, c(aten.log.default, sumexp), picked), valid)
+        if reduction == 0:
+            return per_token
+        total = c(aten.sum.default, per_token)
+        if reduction == 2:
+            return total
+        return c(aten.div.Tensor, total, c(aten.sum.default, valid))
+
     def attention(self, old, args, kwargs):
         q, k, v = args[:3]
         if self.place.get(q) == 1:  # keys/values replicated (fewer KV heads than ranks): take this rank's
@@ -382,17 +417,21 @@ def _is_pointwise(old: torch.fx.Node) -> bool:
 
 
 def tensor_parallel(program: Program, tp: int, rank: int, styles: dict[str, str] | None = None,
-                    group: str = "tp", shards: dict[str, torch.Tensor] | None = None) -> tuple[Program, dict]:
+                    group: str = "tp", shards: dict[str, torch.Tensor] | None = None,
+                    keep_outputs: set[int] | None = None) -> tuple[Program, dict]:
     """This rank's program: sharded parameters, collectives in the graph, local shapes.
 
     ``shards``: this rank's shard tensors by FQN from an earlier call (another traced signature of the
     same model, e.g. inference after training), bound again instead of slicing the model's tensors;
-    new shards are added to it.
+    new shards are added to it. ``keep_outputs``: positions of the graph outputs still needed (a
+    training step needs only the loss: the logits then stay sharded and are never gathered); the
+    others become None.
     """
     shards = {} if shards is None else shards
     plan = styles if styles is not None else (program.info.tp_plan or {})
     resolved = resolve_styles(program, plan)
     rw = _Rewriter(program, resolved, tp, rank, group)
+    rw.keep_outputs = keep_outputs
     graph = rw.run()
     graph.eliminate_dead_code()
     gm = torch.fx.GraphModule(program.gm, graph)

@@ -26,12 +26,14 @@ pool2 = multiproc.rank_pool(2)
 pool4 = multiproc.rank_pool(4)
 
 
-def tp_step(name: str, tp: int) -> dict:
+def tp_step(name: str, tp: int, loss_only: bool = False) -> dict:
     fxops.register_group("tp", dist.group.WORLD)
     rank = dist.get_rank()
     model = zoo.build(name, seed=0)
     batch = zoo.example_inputs(name, model, batch=2, seq=8)
-    local, info = tensor_parallel(fxpar.trace(model, example_kwargs=batch), tp, rank)
+    program = fxpar.trace(model, example_kwargs=batch)
+    keep = {0} if loss_only else None  # graph output 0 is the loss of a CausalLMOutput
+    local, info = tensor_parallel(program, tp, rank, keep_outputs=keep)
     out = local(**batch)
     out.loss.backward()
     ref = zoo.build(name, seed=0)
@@ -44,8 +46,8 @@ def tp_step(name: str, tp: int) -> dict:
         want = ref_grads[fqn] if d is None else ref_grads[fqn].chunk(tp, dim=d)[rank]
         grad = max(grad, (p.grad - want).abs().max().item())
     placements = {tuple(n.meta.get(meta.PLACEMENT, ())) for n in local.gm.graph.nodes if n.op != "output"}
-    return {"loss": (out.loss - expected.loss).abs().item(),
-            "logits": (out.logits - expected.logits).abs().max().item(), "grad": grad,
+    logits = 0.0 if loss_only else (out.logits - expected.logits).abs().max().item()
+    return {"loss": (out.loss - expected.loss).abs().item(), "logits": logits, "grad": grad,
             "counts": fxops.count_collectives(local.gm), "sharded": info["sharded"],
             "fallbacks": info["fallbacks"], "placements": placements}
 
@@ -68,10 +70,14 @@ def test_collectives_per_layer_are_the_megatron_minimum(pool2):
     layers = zoo.tiny_config("llama").num_hidden_layers
     c = r["counts"]
     # forward: one all-reduce after attention and one after the MLP per layer, plus the vocab-parallel
-    # embedding's; backward mirrors: one all-reduce per column-parallel input (attention, MLP, LM head)
-    assert c["all_reduce"] == 2 * layers + 1
+    # embedding's and the vocab-parallel loss's three (max, sum of exponentials, target logit);
+    # backward mirrors: one all-reduce per column-parallel input (attention, MLP, LM head)
+    assert c["all_reduce"] == 2 * layers + 1 + 3
     assert c["identity_fwd_all_reduce_bwd"] == 2 * layers + 1
-    assert c["all_gather"] == 1  # the LM head's logits, gathered for the output
+    assert c["all_gather"] == 1  # the logits, gathered only because the program returns them
+    training = pool2.run(tp_step, "llama", 2, True, timeout=120)[0]
+    assert training["counts"]["all_gather"] == 0, "a training step gathered the full logits"
+    assert training["loss"] <= TOL and training["grad"] <= TOL
     assert c["reduce_scatter"] == c["scatter_slice"] == c["all_gather_rs_bwd"] == 0
     assert set(r["sharded"]) >= {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
                                  "model.embed_tokens.weight", "lm_head.weight"}
