@@ -78,6 +78,10 @@ class _Rewriter:
         self.fallbacks: list[str] = []
         self.grad_flows = needs_grad(program)  # old nodes a gradient flows through
         self.keep_outputs: set[int] | None = None  # graph outputs to compute (None: all)
+        # weights an addmm reads as [in, out] (GPT-2's Conv1D), found from the graph
+        self.transposed = {n.args[2].meta.get(meta.PARAM) for n in program.graph.nodes
+                           if getattr(n.target, "overloadpacket", None) is aten.addmm
+                           and isinstance(n.args[2], torch.fx.Node)} - {None}
 
     # ---- helpers ------------------------------------------------------------------------------------
     def call(self, target, args, kwargs=None, like: torch.fx.Node | None = None, shard: int | None = None):
@@ -141,9 +145,9 @@ class _Rewriter:
         leaf = fqn.rpartition(".")[2]
         d = None
         if style in ("colwise", "colwise_gather_output", "vocab_parallel", "embedding_rowwise"):
-            d = 0
+            d = 1 if fqn in self.transposed and leaf != "bias" else 0
         elif style == "rowwise" and leaf != "bias":
-            d = 1
+            d = 0 if fqn in self.transposed else 1
         if d is not None and d >= len(info.shape):  # e.g. a row-parallel layer's 1-D bias or scale
             d = None
         if d is not None:
@@ -165,6 +169,8 @@ class _Rewriter:
             return self.call(old.target, args, kwargs, like=old)
         if pkt is aten.linear:
             return self.linear(old, args)
+        if pkt is aten.addmm and self.place.get(args[2]) is not None:
+            return self.addmm(old, args, kwargs)
         if pkt is aten.embedding:
             return self.embedding(old, args, kwargs)
         if pkt in _VIEWS:
@@ -230,6 +236,21 @@ class _Rewriter:
             return out
         return self.call(old.target, (self.replicate(x, xo), w, b) if b is not None else (self.replicate(x, xo), w),
                          like=old, shard=None)
+
+    def addmm(self, old, args, kwargs):
+        """``addmm(bias, x, w)`` with ``w`` laid out [in, out] (GPT-2's Conv1D): column-parallel shards
+        w by columns, row-parallel by rows."""
+        b, x, w = args[0], args[1], args[2]
+        xo = old.args[1]
+        if self.place[w] == 1:  # column-parallel
+            x = self.replicate(x, xo)
+            if x not in self.f_cache:
+                self.f_cache[x] = self.call(fxpar_ops.identity_fwd_all_reduce_bwd.default, (x, self.group), like=xo)
+            return self.call(old.target, (b, self.f_cache[x], w), kwargs, like=old, shard=1)
+        x = self.slice_to(x, xo, 1)  # row-parallel
+        out = self.call(aten.mm.default, (x, w), like=old)
+        out = self.call(fxpar_ops.all_reduce.default, (out, self.group), like=old)
+        return self.call(aten.add.Tensor, (out, b), like=old)
 
     def embedding(self, old, args, kwargs):
         w, ids = args[0], args[1]
@@ -416,6 +437,46 @@ def _is_pointwise(old: torch.fx.Node) -> bool:
     return any(t in tags for t in _POINTWISE_TAGS)
 
 
+_CARRIERS = {aten.view, aten.reshape, aten._unsafe_view, aten.transpose, aten.permute, aten.unsqueeze,
+             aten.contiguous, aten.alias, aten.clone, aten.to, aten._to_copy, aten.dropout, aten.expand,
+             aten.scaled_dot_product_attention, aten.matmul, aten.softmax, aten._softmax}
+
+
+def _weight(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The parameter placeholder a linear-like node multiplies by, or None."""
+    pkt = getattr(node.target, "overloadpacket", None)
+    w = node.args[1] if pkt is aten.linear else node.args[2] if pkt is aten.addmm else None
+    return w if isinstance(w, torch.fx.Node) and w.meta.get(meta.PARAM) else None
+
+
+def infer_styles(program: Program) -> dict[str, str]:
+    """A column/row plan from the graph, for models without one: a linear whose output reaches, through
+    views, transposes, elementwise ops and attention only, other linears is column-parallel, and those
+    are row-parallel. A wrong guess costs only speed: the pass gathers where a shard cannot go on."""
+    styles: dict[str, str] = {}
+    for node in program.graph.nodes:
+        if _weight(node) is None or node.meta.get(meta.MODULE) in styles:
+            continue
+        ends, ok, seen, todo = [], True, set(), list(node.users)
+        while todo and ok:
+            user = todo.pop()
+            if user in seen:
+                continue
+            seen.add(user)
+            pkt = getattr(user.target, "overloadpacket", None)
+            if _weight(user) is not None and user.args[1 if pkt is aten.linear else 2] is not node:
+                ends.append(user)
+            elif pkt in _CARRIERS or (user.op == "call_function" and _is_pointwise(user)):
+                todo.extend(user.users)
+            else:
+                ok = False
+        if ok and ends and not any(e.meta.get(meta.MODULE) in styles for e in ends):
+            styles[node.meta.get(meta.MODULE)] = "colwise"
+            for e in ends:
+                styles[e.meta.get(meta.MODULE)] = "rowwise"
+    return styles
+
+
 def tensor_parallel(program: Program, tp: int, rank: int, styles: dict[str, str] | None = None,
                     group: str = "tp", shards: dict[str, torch.Tensor] | None = None,
                     keep_outputs: set[int] | None = None) -> tuple[Program, dict]:
@@ -428,8 +489,8 @@ def tensor_parallel(program: Program, tp: int, rank: int, styles: dict[str, str]
     others become None.
     """
     shards = {} if shards is None else shards
-    plan = styles if styles is not None else (program.info.tp_plan or {})
-    resolved = resolve_styles(program, plan)
+    plan = styles if styles is not None else program.info.tp_plan
+    resolved = resolve_styles(program, plan) if plan else infer_styles(program)
     rw = _Rewriter(program, resolved, tp, rank, group)
     rw.keep_outputs = keep_outputs
     graph = rw.run()

@@ -60,6 +60,15 @@ def test_tp2_matches_single_process(name, pool2):
         assert r["placements"] <= {(Replicate(),), (Shard(0),), (Shard(1),), (Shard(2),), (Shard(3),)}
 
 
+@pytest.mark.parametrize("name", ["gpt2", "opt", "bloom", "falcon"])
+def test_tp2_without_a_model_plan_infers_one(name, pool2):
+    """No base_model_tp_plan: column/row pairs are inferred from the graph; numerics stay exact."""
+    for r in pool2.run(tp_step, name, 2, timeout=120):
+        assert r["loss"] <= TOL and r["logits"] <= TOL and r["grad"] <= TOL, r
+        if name == "gpt2":  # Conv1D MLPs (addmm, weight [in, out]): c_fc column-, c_proj row-parallel
+            assert "transformer.h.0.mlp.c_fc.weight" in r["sharded"] and r["counts"]["all_reduce"] >= 2
+
+
 def test_tp4_with_fewer_kv_heads_than_ranks(pool4):
     for r in pool4.run(tp_step, "llama", 4, timeout=120):
         assert r["loss"] <= TOL and r["logits"] <= TOL and r["grad"] <= TOL, r
