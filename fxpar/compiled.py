@@ -187,7 +187,8 @@ class CompiledModel:
             loss = loss_position(program)
             keep = None if loss is None else {[i for i, b in enumerate(program.outputs) if b.kind == "user"][loss]}
             program, self.tp_info = tensor_parallel(program, self.tp, self.tp_rank, styles, group="tp",
-                                                    shards=self._tp_shards, keep_outputs=keep)
+                                                    shards=self._tp_shards, keep_outputs=keep,
+                                                    sequence_parallel=self.plan.sequence_parallel)
         pipeline = split_pipeline(program, self.cuts, self.stage_to_rank)
         self._annotate_costs(full, pipeline)
         runtime = PipelineRuntime(pipeline, self.schedule, self.pp_rank, self.pp_ranks, None, self.device,

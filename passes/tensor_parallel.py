@@ -78,6 +78,7 @@ class _Rewriter:
         self.fallbacks: list[str] = []
         self.grad_flows = needs_grad(program)  # old nodes a gradient flows through
         self.keep_outputs: set[int] | None = None  # graph outputs to compute (None: all)
+        self.sp = False  # sequence parallel
         # weights an addmm reads as [in, out] (GPT-2's Conv1D), found from the graph
         self.transposed = {n.args[2].meta.get(meta.PARAM) for n in program.graph.nodes
                            if getattr(n.target, "overloadpacket", None) is aten.addmm
@@ -220,22 +221,45 @@ class _Rewriter:
         wd = self.place.get(w)
         last = self.ndim(old) - 1
         if wd == 0:  # column-parallel
-            x = self.replicate(x, xo)
-            if x not in self.f_cache:
-                self.f_cache[x] = self.call(fxpar_ops.identity_fwd_all_reduce_bwd.default, (x, self.group), like=xo,
-                                            shard=None)
-            out = self.call(old.target, (self.f_cache[x], w, b) if b is not None else (self.f_cache[x], w),
-                            like=old, shard=last)
+            x = self.column_input(x, xo)
+            out = self.call(old.target, (x, w, b) if b is not None else (x, w), like=old, shard=last)
             return out  # colwise_gather_output too: gathered only where a consumer needs the full tensor
         if wd == 1:  # row-parallel
             x = self.slice_to(x, xo, self.ndim(xo) - 1)
-            out = self.call(old.target, (x, w), like=old, shard=None)
-            out = self.call(fxpar_ops.all_reduce.default, (out, self.group), like=old, shard=None)
+            out = self.reduce_partial(self.call(old.target, (x, w), like=old, shard=None), old)
             if b is not None:
-                out = self.call(aten.add.Tensor, (out, b), like=old, shard=None)
+                out = self.call(aten.add.Tensor, (out, self.grad_reduced(b)), like=old, shard=self.place[out])
             return out
         return self.call(old.target, (self.replicate(x, xo), w, b) if b is not None else (self.replicate(x, xo), w),
                          like=old, shard=None)
+
+    def column_input(self, x, xo):
+        """The input of a column-parallel layer, once per value: replicated with an all-reduce of its
+        gradient (Megatron's f), or, under sequence parallel, gathered along the sequence with a
+        reduce-scatter of its gradient."""
+        if x not in self.f_cache:
+            if self.sp and self.place.get(x) == 1 and self.ndim(xo) == 3:
+                self.f_cache[x] = self.call(fxpar_ops.all_gather_rs_bwd.default, (x, self.group, 1), like=xo)
+            else:
+                y = self.replicate(x, xo)
+                self.f_cache[x] = self.call(fxpar_ops.identity_fwd_all_reduce_bwd.default, (y, self.group), like=xo)
+        return self.f_cache[x]
+
+    def reduce_partial(self, out, old):
+        """Sum the ranks' partial results: all-reduce, or reduce-scatter along the sequence (sequence
+        parallel: what follows between blocks, norms and residual adds, runs on sequence shards)."""
+        v = old.meta.get(meta.VAL)
+        if self.sp and isinstance(v, torch.Tensor) and v.dim() == 3 and v.shape[1] % self.tp == 0:
+            return self.call(fxpar_ops.reduce_scatter.default, (out, self.group, 1), like=old, shard=1)
+        return self.call(fxpar_ops.all_reduce.default, (out, self.group), like=old, shard=None)
+
+    def grad_reduced(self, p):
+        """A replicated parameter added to a sequence shard: its gradient is a partial sum over ranks."""
+        if self.place.get(p) is not None or not self.sp:
+            return p
+        if p not in self.f_cache:
+            self.f_cache[p] = self.call(fxpar_ops.identity_fwd_all_reduce_bwd.default, (p, self.group))
+        return self.f_cache[p]
 
     def addmm(self, old, args, kwargs):
         """``addmm(bias, x, w)`` with ``w`` laid out [in, out] (GPT-2's Conv1D): column-parallel shards
@@ -266,7 +290,7 @@ class _Rewriter:
         out = self.call(old.target, (w, local, *args[2:]), kwargs, like=old)
         out = self.call(aten.masked_fill.Scalar, (out, self.call(aten.unsqueeze.default, (outside, -1), like=old),
                                                   0.0), like=old)
-        return self.call(fxpar_ops.all_reduce.default, (out, self.group), like=old, shard=None)
+        return self.reduce_partial(out, old)
 
     def view(self, old, args, kwargs):
         x = args[0]
@@ -479,20 +503,23 @@ def infer_styles(program: Program) -> dict[str, str]:
 
 def tensor_parallel(program: Program, tp: int, rank: int, styles: dict[str, str] | None = None,
                     group: str = "tp", shards: dict[str, torch.Tensor] | None = None,
-                    keep_outputs: set[int] | None = None) -> tuple[Program, dict]:
+                    keep_outputs: set[int] | None = None, sequence_parallel: bool = False) -> tuple[Program, dict]:
     """This rank's program: sharded parameters, collectives in the graph, local shapes.
 
     ``shards``: this rank's shard tensors by FQN from an earlier call (another traced signature of the
     same model, e.g. inference after training), bound again instead of slicing the model's tensors;
     new shards are added to it. ``keep_outputs``: positions of the graph outputs still needed (a
     training step needs only the loss: the logits then stay sharded and are never gathered); the
-    others become None.
+    others become None. ``sequence_parallel``: between blocks (norms, residual adds, dropout) activations
+    are sharded along the sequence; row-parallel outputs are reduce-scattered and column-parallel inputs
+    gathered (Megatron's sequence parallelism), same communication volume, 1/tp of those activations.
     """
     shards = {} if shards is None else shards
     plan = styles if styles is not None else program.info.tp_plan
     resolved = resolve_styles(program, plan) if plan else infer_styles(program)
     rw = _Rewriter(program, resolved, tp, rank, group)
     rw.keep_outputs = keep_outputs
+    rw.sp = sequence_parallel
     graph = rw.run()
     graph.eliminate_dead_code()
     gm = torch.fx.GraphModule(program.gm, graph)

@@ -26,14 +26,14 @@ pool2 = multiproc.rank_pool(2)
 pool4 = multiproc.rank_pool(4)
 
 
-def tp_step(name: str, tp: int, loss_only: bool = False) -> dict:
+def tp_step(name: str, tp: int, loss_only: bool = False, sp: bool = False) -> dict:
     fxops.register_group("tp", dist.group.WORLD)
     rank = dist.get_rank()
     model = zoo.build(name, seed=0)
     batch = zoo.example_inputs(name, model, batch=2, seq=8)
     program = fxpar.trace(model, example_kwargs=batch)
     keep = {0} if loss_only else None  # graph output 0 is the loss of a CausalLMOutput
-    local, info = tensor_parallel(program, tp, rank, keep_outputs=keep)
+    local, info = tensor_parallel(program, tp, rank, keep_outputs=keep, sequence_parallel=sp)
     out = local(**batch)
     out.loss.backward()
     ref = zoo.build(name, seed=0)
@@ -67,6 +67,20 @@ def test_tp2_without_a_model_plan_infers_one(name, pool2):
         assert r["loss"] <= TOL and r["logits"] <= TOL and r["grad"] <= TOL, r
         if name == "gpt2":  # Conv1D MLPs (addmm, weight [in, out]): c_fc column-, c_proj row-parallel
             assert "transformer.h.0.mlp.c_fc.weight" in r["sharded"] and r["counts"]["all_reduce"] >= 2
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_tp2_sequence_parallel(name, pool2):
+    layers = zoo.tiny_config(name).num_hidden_layers
+    for r in pool2.run(tp_step, name, 2, False, True, timeout=120):
+        assert r["loss"] <= TOL and r["logits"] <= TOL and r["grad"] <= TOL, r
+        c = r["counts"]
+        # per layer: gather the sequence before attention and MLP, reduce-scatter after (backward mirrors);
+        # plus the embedding's reduce-scatter and the LM head's gather; norms' weights get their gradient
+        # all-reduced (they see one sequence shard each); the loss keeps its three all-reduces
+        assert c["all_gather_rs_bwd"] == 2 * layers + 1 and c["reduce_scatter"] == 2 * layers + 1
+        assert c["identity_fwd_all_reduce_bwd"] == 2 * layers + 1 and c["all_reduce"] == 3
+        assert not r["fallbacks"], r["fallbacks"]
 
 
 def test_tp4_with_fewer_kv_heads_than_ranks(pool4):
@@ -103,7 +117,7 @@ def test_bad_styles_and_globs_are_clear_errors():
         tensor_parallel(program, 3, 0, {"model.layers.*.mlp.up_proj": "colwise"})
 
 
-def compiled_training(name: str, pp: int, tp: int, steps: int = 3) -> dict:
+def compiled_training(name: str, pp: int, tp: int, sp: bool = False, steps: int = 3) -> dict:
     """fxpar.compile with tp (and pp): losses of 3 SGD steps, then the gathered weights and logits.
 
     SGD rather than AdamW here: Adam's normalisation turns 1e-7 reduction-order differences on
@@ -111,7 +125,7 @@ def compiled_training(name: str, pp: int, tp: int, steps: int = 3) -> dict:
     model = zoo.build(name, seed=0)
     batch = zoo.example_inputs(name, model, batch=4, seq=8)
     opt = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
-    compiled = fxpar.compile(model, fxpar.Plan(pp=pp, tp=tp, microbatches=2), example_kwargs=batch,
+    compiled = fxpar.compile(model, fxpar.Plan(pp=pp, tp=tp, microbatches=2, sequence_parallel=sp), example_kwargs=batch,
                              optimizer=opt, timeout=60)
     ref = zoo.build(name, seed=0)
     ref_opt = opt(ref.parameters())
@@ -137,5 +151,5 @@ def test_compile_tp2(name, pool2):
 
 
 def test_compile_pp2_tp2(pool4):
-    for r in pool4.run(compiled_training, "llama", 2, 2, timeout=300):
+    for r in pool4.run(compiled_training, "llama", 2, 2, True, timeout=300):
         assert r["loss"] <= TOL and r["weights"] <= TOL and r["logits"] <= TOL, r

@@ -24,8 +24,8 @@ class Plan:
     default 2 for those, 1 otherwise); ``microbatches``: chunks each step's batch is cut into (default:
     the number of stages); ``schedule``: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv`` or
     ``interleaved_zb``; ``split_points``: explicit cuts ``{"model.layers.16": "beginning"}`` instead of
-    the cost-balanced ones. ``dp``, ``tp``, ``zero`` and ``tp_plan`` are the data- and tensor-parallel
-    degrees and options.
+    the cost-balanced ones. ``dp``, ``tp``, ``zero``, ``tp_plan`` and ``sequence_parallel`` are the data-
+    and tensor-parallel degrees and options.
     """
 
     dp: int = 1
@@ -37,6 +37,7 @@ class Plan:
     virtual_stages: int | None = None
     split_points: dict[str, str] | None = field(default=None, hash=False)
     tp_plan: Any = "auto"
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         for name in ("dp", "pp", "tp"):
@@ -73,7 +74,10 @@ class Plan:
                                 f"{[k for k in known if k not in ('split_points', 'tp_plan')]} "
                                 "(split_points and tp_plan go in a plan file)")
             value = value.strip()
-            kwargs[key] = value if key == "schedule" else _int(key, value)
+            if key == "sequence_parallel":
+                kwargs[key] = value.lower() in ("1", "true", "yes", "on")
+            else:
+                kwargs[key] = value if key == "schedule" else _int(key, value)
         return cls(**kwargs)
 
     @classmethod
