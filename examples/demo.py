@@ -11,6 +11,8 @@
 4. A picture of the Llama graph with one cluster per module (DOT; SVG too where graphviz is installed).
 5. Pipeline parallelism: the unmodified tiny Llama on 2 gloo processes (pp=2, 1F1B, 4 microbatches),
    cut automatically, 3 AdamW steps, its loss next to a single-process run, and the stage table.
+6. Tensor parallelism on the same 2 processes (tp=2, sequence parallel): its loss next to the
+   single-process run, and the collectives the pass put in the graph.
 """
 
 from __future__ import annotations
@@ -52,15 +54,16 @@ def check(name: str) -> dict:
     }
 
 
-def pipeline_rank(name: str, steps: int) -> dict:
-    """On each of 2 ranks: compile for pp=2 and train; rank 0 also trains the single-process reference."""
+def pipeline_rank(name: str, steps: int, plan: str = "pp=2,microbatches=4,schedule=1f1b") -> dict:
+    """On each of 2 ranks: compile for the plan and train; rank 0 also trains the single-process reference."""
     import torch.distributed as dist
+
+    from fxpar.runtime.ops import count_collectives
 
     model = zoo.build(name, seed=0)
     batch = zoo.example_inputs(name, model, batch=8, seq=16)
     opt = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
-    compiled = fxpar.compile(model, fxpar.Plan(pp=2, microbatches=4, schedule="1f1b"), example_kwargs=batch,
-                             optimizer=opt)
+    compiled = fxpar.compile(model, fxpar.Plan.parse(plan), example_kwargs=batch, optimizer=opt)
     losses = [compiled.step(**batch).item() for _ in range(steps)]
     ref_losses = []
     if dist.get_rank() == 0:
@@ -72,7 +75,9 @@ def pipeline_rank(name: str, steps: int) -> dict:
             loss.backward()
             ref_opt.step()
             ref_losses.append(loss.item())
-    return {"losses": losses, "ref": ref_losses, "table": fxpar.inspect(compiled, quiet=True).stage_table()}
+    counts = count_collectives(compiled.pipeline.stages[0].gm)
+    return {"losses": losses, "ref": ref_losses, "table": fxpar.inspect(compiled, quiet=True).stage_table(),
+            "collectives": {k: v for k, v in counts.items() if v}}
 
 
 def main() -> None:
@@ -112,9 +117,14 @@ def main() -> None:
     print(f"\n5. pipeline parallelism: the unmodified tiny {name} on 2 gloo processes, pp=2, 1F1B, 4 microbatches\n")
     with RankPool(2, timeout=300) as pool:
         r0 = pool.run(pipeline_rank, name, 3)[0]
-    print(r0["table"] + "\n")
-    for step, (a, b) in enumerate(zip(r0["losses"], r0["ref"])):
-        print(f"step {step}: pipeline loss {a:.6f}   single process {b:.6f}   |diff| {abs(a - b):.1e}")
+        print(r0["table"] + "\n")
+        for step, (a, b) in enumerate(zip(r0["losses"], r0["ref"])):
+            print(f"step {step}: pipeline loss {a:.6f}   single process {b:.6f}   |diff| {abs(a - b):.1e}")
+        print("\n6. tensor parallelism: the same model on the same 2 processes, tp=2 with sequence parallel\n")
+        t0 = pool.run(pipeline_rank, name, 3, "tp=2,microbatches=1,sequence_parallel=true")[0]
+        print(f"collectives in each rank's graph (forward; backward mirrors them): {t0['collectives']}")
+        for step, (a, b) in enumerate(zip(t0["losses"], t0["ref"])):
+            print(f"step {step}: tensor-parallel loss {a:.6f}   single process {b:.6f}   |diff| {abs(a - b):.1e}")
 
 
 if __name__ == "__main__":
