@@ -62,11 +62,6 @@ def resolve_styles(program: Program, plan: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _shard(p) -> int | None:
-    """The sharded dim of a placement tuple, or None if replicated."""
-    return p[0].dim if p and isinstance(p[0], Shard) else None
-
-
 class _Rewriter:
     def __init__(self, program: Program, styles: dict[str, str], tp: int, rank: int, group: str):
         self.program, self.styles, self.tp, self.rank, self.group = program, styles, tp, rank, group

@@ -191,7 +191,3 @@ def annotate_costs(program: Program) -> NodeCost:
             if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
                 grad_inputs.add(b.placeholder)
     return _annotate(program.gm, grad_inputs, True)
-
-
-def node_cost(node: torch.fx.Node) -> NodeCost:
-    return node.meta.get(meta.COST, meta.ZERO_COST)

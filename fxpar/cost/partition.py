@@ -48,11 +48,6 @@ def top_nodes(program: Program) -> list[torch.fx.Node]:
     return [n for n in program.graph.nodes if n.op not in _SKIP]
 
 
-def _owned(node: torch.fx.Node, module: str) -> bool:
-    owner = node.meta.get(meta.MODULE, "")
-    return owner == module or owner.startswith(module + ".")
-
-
 def module_positions(program: Program) -> dict[str, tuple[int, int]]:
     """Module FQN -> (first, last) top-level node position it owns (its submodules' nodes included)."""
     spans: dict[str, tuple[int, int]] = {}

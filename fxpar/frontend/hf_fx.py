@@ -353,15 +353,6 @@ def _trace(model: torch.nn.Module, values: dict) -> tuple[torch.fx.Graph, Any, b
     return graph, tracer, needs_disable_check
 
 
-def _resolves(module: torch.nn.Module, target: str) -> bool:
-    obj: Any = module
-    for atom in target.split("."):
-        if not hasattr(obj, atom):
-            return False
-        obj = getattr(obj, atom)
-    return True
-
-
 def _build_graph_module(model: torch.nn.Module, graph: torch.fx.Graph, before_attrs: set[str],
                         before_children: set[str]) -> tuple[torch.fx.GraphModule, list[str], list[str]]:
     """A GraphModule running ``graph`` whose module tree is the model's own.

@@ -19,9 +19,6 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from fxpar.ir import meta
-from fxpar.ir.errors import FxparError
-
 InputKind = Literal["parameter", "buffer", "constant", "user"]
 OutputKind = Literal["user", "buffer_mutation"]
 
@@ -240,12 +237,3 @@ def subgraphs_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[torch.fx
             if isinstance(sub, torch.fx.GraphModule):
                 subs.append(sub)
     return subs
-
-
-def node_module(node: torch.fx.Node) -> str:
-    """The ``fxpar.module`` of a node ("" when unknown)."""
-    return node.meta.get(meta.MODULE, "")
-
-
-class ProgramError(FxparError):
-    pass
