@@ -26,10 +26,15 @@ from fxpar.frontend.diagnose import explain
 _MAX = 1 << 20
 
 
-def dynamic_shapes_for(example_args: tuple, example_kwargs: dict, dynamic: bool | dict | None):
-    if not dynamic:
+def dynamic_shapes_by_name(values: dict[str, Any], dynamic: bool | dict | tuple | None):
+    """torch.export ``dynamic_shapes`` for forward's arguments given by name (both frontends' rule).
+
+    False/None: static. True: dim 0 of every tensor is the shared ``batch``, dim 1 of every integer
+    tensor of rank >= 2 the shared ``seq``. A dict or tuple goes to torch.export unchanged.
+    """
+    if dynamic is None or dynamic is False:
         return None
-    if isinstance(dynamic, dict):
+    if dynamic is not True:
         return dynamic
     batch, seq = Dim("batch", min=1, max=_MAX), Dim("seq", min=1, max=_MAX)
 
@@ -41,19 +46,14 @@ def dynamic_shapes_for(example_args: tuple, example_kwargs: dict, dynamic: bool 
             dims[1] = seq
         return dims
 
-    return {**{k: spec(v) for k, v in example_kwargs.items()}} if not example_args else (
-        tuple(spec(a) for a in example_args), {k: spec(v) for k, v in example_kwargs.items()})
+    return {k: spec(v) for k, v in values.items()}
 
 
 def capture_export(model: torch.nn.Module, example_args: tuple = (), example_kwargs: dict | None = None,
                    *, dynamic: bool | dict | None = False,
                    stack_traces: bool = False) -> torch.export.ExportedProgram:
     example_kwargs = dict(example_kwargs or {})
-    shapes = dynamic_shapes_for(tuple(example_args), example_kwargs, dynamic)
-    if shapes is not None and example_args:
-        # torch.export wants dynamic_shapes shaped like (args..., kwargs) flattened into forward's names
-        args_shapes, kw_shapes = shapes
-        shapes = _by_parameter_name(model, args_shapes, kw_shapes)
+    shapes = dynamic_shapes_by_name({**_by_parameter_name(model, tuple(example_args)), **example_kwargs}, dynamic)
     saved = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = not stack_traces
     try:
@@ -65,11 +65,10 @@ def capture_export(model: torch.nn.Module, example_args: tuple = (), example_kwa
         torch.fx.config.do_not_emit_stack_traces = saved
 
 
-def _by_parameter_name(model: torch.nn.Module, args_shapes: tuple, kw_shapes: dict) -> dict:
+def _by_parameter_name(model: torch.nn.Module, example_args: tuple) -> dict[str, Any]:
+    """Positional example args keyed by the names forward() gives them."""
     import inspect
 
     names = [n for n, p in inspect.signature(model.forward).parameters.items()
              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    out = dict(zip(names, args_shapes))
-    out.update(kw_shapes)
-    return out
+    return dict(zip(names, example_args))

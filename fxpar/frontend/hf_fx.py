@@ -44,13 +44,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import linecache
-import os
 import re
 from typing import Any
 
 import torch
 
+from fxpar.frontend.diagnose import locate
+from fxpar.frontend.export import dynamic_shapes_by_name
 from fxpar.ir.errors import TraceError
 
 FRONTEND = "hf_fx"
@@ -58,8 +58,6 @@ META_KEY = "fxpar.hf_fx"
 _ROOT_KEY = "L__self__"  # torch.export's key for the root entry of nn_module_stack
 _CONSTANT_TYPES = (type(None), bool, int, float, str)
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_THIS_FILE = os.path.abspath(__file__)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -173,23 +171,6 @@ def _tracer_class():
 # --------------------------------------------------------------------------------------------------
 # errors
 
-def _user_frame(exc: BaseException) -> str | None:
-    """"file:line: source" of the innermost frame outside torch, HFTracer and this file."""
-    found = None
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        path = os.path.abspath(code.co_filename)
-        internal = (path.startswith(_TORCH_DIR) or path == _THIS_FILE
-                    or path.replace(os.sep, "/").endswith("transformers/utils/fx.py")
-                    or path.startswith(os.path.dirname(contextlib.__file__)))
-        if not internal:
-            src = linecache.getline(code.co_filename, tb.tb_lineno).strip()
-            found = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}: {src}"
-        tb = tb.tb_next
-    return found
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     cls = type(exc)
@@ -213,7 +194,7 @@ def _trace_error(model: torch.nn.Module, exc: BaseException, module: str | None)
         hint = "HFTracer cannot trace this model's code; use frontend='export'"
     return TraceError(
         f"HFTracer (transformers {version}) could not trace {type(model).__name__}: {_first_line(exc)}",
-        module=module if module is not None else "", op=_user_frame(exc) or _first_line(exc),
+        module=module if module is not None else "", op=locate(model, exc)[1] or _first_line(exc),
         hint=hint, frontend=FRONTEND)
 
 
@@ -231,7 +212,7 @@ def _lowering_error(model: torch.nn.Module, exc: BaseException) -> TraceError:
                 node = frame.f_locals["n"]
             tb = tb.tb_next
         chain = chain.__cause__ or chain.__context__
-    module, op = "", _user_frame(exc) or _first_line(exc)
+    module, op = "", locate(model, exc)[1] or _first_line(exc)
     if node is not None:
         stack = node.meta.get("nn_module_stack") or {}
         if stack:
@@ -289,32 +270,6 @@ def _bind(model: torch.nn.Module, example_args: tuple, example_kwargs: dict) -> 
                              module="", op="forward()",
                              hint="pass every required argument of forward() in example_args/example_kwargs")
     return arg_names, values
-
-
-def _dynamic_spec(values: dict, dynamic_shapes: Any) -> Any:
-    """``dynamic_shapes`` for torch.export, keyed by argument name.
-
-    None / False: static. True: dim 0 of every tensor is the shared ``batch``, dim 1 of every integer
-    tensor of rank >= 2 the shared ``seq`` (the ``export`` frontend's rule). A dict or tuple goes to
-    torch.export unchanged.
-    """
-    if dynamic_shapes is None or dynamic_shapes is False:
-        return None
-    if dynamic_shapes is not True:
-        return dynamic_shapes
-    from torch.export import Dim
-
-    batch, seq = Dim("batch", min=1, max=1 << 20), Dim("seq", min=1, max=1 << 20)
-    out = {}
-    for k, v in values.items():
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            dims = {0: batch}
-            if v.dim() >= 2 and not v.is_floating_point():
-                dims[1] = seq
-            out[k] = dims
-        else:
-            out[k] = None
-    return out
 
 
 def _trace(model: torch.nn.Module, values: dict) -> tuple[torch.fx.Graph, Any, bool]:
@@ -468,7 +423,7 @@ def capture_hf_fx(model: torch.nn.Module, example_args: tuple = (), example_kwar
     gm.recompile()
     gm.training = model.training  # the root flag only: .train() would reset the model's own submodules
 
-    shapes = _dynamic_spec(values, dynamic_shapes)
+    shapes = dynamic_shapes_by_name(values, dynamic_shapes)
     try:
         ep = torch.export.export(gm, example_args, example_kwargs, dynamic_shapes=shapes, strict=False)
     except Exception as exc:
