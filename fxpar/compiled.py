@@ -283,7 +283,7 @@ class CompiledModel:
             if stage is None:
                 outs.append(None)
                 continue
-            val = _output_val(stage, stage.final[j])
+            val = stage.output_val(stage.final[j])
             if stage.rank == self.pp_rank:
                 parts = [result["outputs"][i][j] for i in range(self.m)]
                 full = torch.cat(parts) if val.dim() > 0 else sum(parts) / self.m
@@ -339,11 +339,6 @@ class CompiledModel:
     @property
     def program(self) -> Program:
         return self.train.program
-
-
-def _output_val(stage, index):
-    out = next(n for n in stage.gm.graph.nodes if n.op == "output")
-    return out.args[0][index].meta["val"]
 
 
 def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,

@@ -45,11 +45,6 @@ class _Msg:
     consumer: int = -1  # for grads: the consuming stage that sends it
 
 
-def _val_of(stage: StageSpec, index: int):
-    out = next(n for n in stage.gm.graph.nodes if n.op == "output")
-    return out.args[0][index].meta["val"]
-
-
 def send_order(pprog: PipelineProgram, actions: list[Action]) -> list[tuple[int, _Msg]]:
     """(destination pp rank, message) in the order a rank running ``actions`` sends them."""
     rank_of = pprog.stage_to_rank
@@ -84,7 +79,7 @@ class Transport:
         self.pending_sends: list = []
 
     def _buffer(self, msg: _Msg) -> torch.Tensor:
-        val = _val_of(self.pprog.stages[msg.stage], msg.index)
+        val = self.pprog.stages[msg.stage].output_val(msg.index)
         return torch.empty(val.shape, dtype=val.dtype, device=self.device)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:

@@ -13,9 +13,8 @@ from fxpar.ir.stage import PipelineProgram, StageSpec
 
 def _boundary(stage: StageSpec) -> list[str]:
     """'name f32[2, 8, 64] -> stages 2,3' for each value the stage sends on."""
-    out_node = next(n for n in stage.gm.graph.nodes if n.op == "output")
     rows = []
-    for node, cons in zip(out_node.args[0], stage.consumers):
+    for node, cons in zip(stage.output_nodes(), stage.consumers):
         if cons:
             rows.append(f"{node.name} {describe_val(node.meta.get('val'))} -> {','.join(map(str, cons))}")
     return rows

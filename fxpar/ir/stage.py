@@ -47,6 +47,14 @@ class StageSpec:
     send_bytes: int = 0
     modules: list[str] = field(default_factory=list)  # top-level units it runs, for reading
 
+    def output_nodes(self) -> list[torch.fx.Node]:
+        """The nodes the stage returns, in output order."""
+        return list(next(n for n in self.gm.graph.nodes if n.op == "output").args[0])
+
+    def output_val(self, index: int):
+        """The FakeTensor (``val``) of output ``index``: its local shape and dtype."""
+        return self.output_nodes()[index].meta["val"]
+
 
 @dataclass
 class PipelineProgram:
