@@ -32,11 +32,12 @@ from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.stage import PipelineProgram
-from fxpar.passes.pipeline_split import loss_position, split_pipeline
-from fxpar.passes.tensor_parallel import tensor_parallel
+from fxpar.passes.pipeline_split import loss_position, set_nested, split_pipeline
+from fxpar.passes.tensor_parallel import tensor_parallel, unshard
 from fxpar.runtime import ops as fxops
 from fxpar.runtime import schedules as sched
 from fxpar.runtime.pipeline import PipelineRuntime
+from fxpar.weights import WeightSource
 
 
 @dataclass
@@ -114,11 +115,28 @@ def _flat_kwarg_names(program: Program) -> list[str]:
     return names
 
 
+def _retarget_device(gms: list[torch.fx.GraphModule], device: torch.device) -> None:
+    """A graph traced on the meta device names it in factory calls (``arange(..., device=meta)``):
+    point those at the device the materialised tensors live on."""
+    meta_device = torch.device("meta")
+
+    def fix(v):
+        return device if isinstance(v, torch.device) and v == meta_device else v
+
+    for root in gms:
+        for gm in [m for m in root.modules() if isinstance(m, torch.fx.GraphModule)]:
+            for node in gm.graph.nodes:
+                node.args = pytree.tree_map(fix, node.args)
+                node.kwargs = pytree.tree_map(fix, node.kwargs)
+            gm.recompile()
+
+
 class CompiledModel:
     """A model compiled for one plan, on this rank. See :func:`compile`."""
 
     def __init__(self, model, plan: Plan, example_args, example_kwargs, optimizer, *, device,
-                 device_model: DeviceModel, frontend: str, timeout: float, program: Program | None = None):
+                 device_model: DeviceModel, frontend: str, timeout: float, program: Program | None = None,
+                 weights=None):
         self.model, self.plan, self.device_model, self.frontend = model, plan, device_model, frontend
         self.timeout = timeout
         self.world, self.rank = _world()
@@ -132,7 +150,7 @@ class CompiledModel:
         # ranks: TP innermost (it stays within a node), then PP: rank = pp_rank * tp + tp_rank
         self.tp, self.tp_rank, self.pp_rank = plan.tp, self.rank % plan.tp, self.rank // plan.tp
         self.pp_ranks = [p * plan.tp + self.tp_rank for p in range(plan.pp)]  # my pipeline's global ranks
-        self.tp_info: dict = {"sharded": {}}
+        self.tp_info: dict = {"sharded": {}, "pieces": {}}
         self._tp_shards: dict[str, torch.Tensor] = {}  # this rank's TP shards, shared by every signature
         self.schedule_name = sched.normalize_schedule(plan.schedule)
         v = sched.stages_per_rank(self.schedule_name, plan.virtual_stages)
@@ -149,6 +167,8 @@ class CompiledModel:
         self.schedule = sched.build_schedule(self.schedule_name, plan.pp, self.m, self.n_stages)
         self.stage_to_rank = sched.stage_to_rank(self.schedule_name, plan.pp, self.n_stages)
         self._signatures: dict[tuple, _Compiled] = {}
+        self.weights = WeightSource(model, weights) if weights is not None else None
+        self._loaded: dict[str, torch.Tensor] = {}  # FQN -> tensor materialised from ``weights``
         self.cuts: list[tuple[str, str]] | None = None
         if plan.tp > 1:  # the only collective before tracing: every rank creates every TP group
             fxops.new_subgroups("tp", [[p * plan.tp + t for t in range(plan.tp)] for p in range(plan.pp)])
@@ -165,6 +185,9 @@ class CompiledModel:
         if key in self._signatures:
             return self._signatures[key]
         mb = _split_batch(flat, self.batch, self.m)[0]
+        on_meta = any(p.is_meta for p in self.model.parameters())
+        if on_meta:  # a meta model is traced on meta inputs
+            mb = [v.to("meta") if isinstance(v, torch.Tensor) else v for v in mb]
         mb_args, mb_kwargs = pytree.tree_unflatten(mb, spec)
         if program is None:
             program = trace(self.model, mb_args, mb_kwargs, frontend=self.frontend)
@@ -190,12 +213,36 @@ class CompiledModel:
                                                     shards=self._tp_shards, keep_outputs=keep,
                                                     sequence_parallel=self.plan.sequence_parallel)
         pipeline = split_pipeline(program, self.cuts, self.stage_to_rank)
+        if self.weights is not None:
+            self._materialize(program, pipeline)
+            if on_meta:
+                _retarget_device([program.gm] + [s.gm for s in pipeline.stages], self.device)
         self._annotate_costs(full, pipeline)
         runtime = PipelineRuntime(pipeline, self.schedule, self.pp_rank, self.pp_ranks, None, self.device,
                                   self.timeout)
         compiled = _Compiled(program, pipeline, runtime)
         self._signatures[key] = compiled
         return compiled
+
+    def _materialize(self, program: Program, pipeline: PipelineProgram) -> None:
+        """Real tensors for the meta ones of this rank's stages, cut for its TP rank (fxpar.weights)."""
+        for stage in pipeline.stages_of(self.pp_rank):
+            for fqn in stage.params + stage.buffers:
+                t = program.tensor(fqn)
+                if not t.is_meta:
+                    continue
+                if fqn not in self._loaded:
+                    v = self.weights.load(list(program.params[fqn].fqns), self.tp_info["sharded"].get(fqn),
+                                          self.tp_info["pieces"].get(fqn), self.tp, self.tp_rank, like=t)
+                    v = v.to(self.device)
+                    self._loaded[fqn] = torch.nn.Parameter(v, requires_grad=t.requires_grad) \
+                        if isinstance(t, torch.nn.Parameter) else v
+                v = self._loaded[fqn]
+                program.set_tensor(fqn, v)
+                if fqn in self._tp_shards:
+                    self._tp_shards[fqn] = v
+                set_nested(stage.gm, fqn, v)
+        self.weights.done()
 
     def _annotate_costs(self, program: Program, pipeline: PipelineProgram) -> None:
         """Predicted per-microbatch times and bytes on each stage, and the schedule's bubble."""
@@ -295,8 +342,9 @@ class CompiledModel:
             outs.append(full)
         return pytree.tree_unflatten(outs, program.out_spec)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors keyed by the original FQNs (tied parameters under each name), on every rank.
+        ``grads=True``: the parameters' gradients from the last ``step`` instead (zeros where none).
 
         TP shards are gathered within the owning stage's TP group, then sent from its TP rank 0.
         """
@@ -306,12 +354,16 @@ class CompiledModel:
             for fqn in stage.params + stage.buffers:
                 owner.setdefault(fqn, stage.rank)
         out = {}
-        for name, value in self.model.state_dict(keep_vars=True).items():
+        named = dict(self.model.named_parameters(remove_duplicate=False)) if grads else \
+            self.model.state_dict(keep_vars=True)
+        for name, value in named.items():
             try:
                 fqn = program.canonical(name)
             except KeyError:  # a tensor the traced graph does not bind
                 fqn = name
             local = program.tensor(fqn) if fqn in program.params else value
+            if grads:
+                local = local.grad if local.grad is not None else torch.zeros_like(local)
             d = self.tp_info["sharded"].get(fqn)
             shape = list(local.shape)
             if d is not None:
@@ -320,9 +372,9 @@ class CompiledModel:
             if d is not None and mine:
                 parts = [torch.empty_like(local) for _ in range(self.tp)]
                 dist.all_gather(parts, local.detach().contiguous(), group=fxops.resolve_group("tp"))
-                full = torch.cat(parts, dim=d)
+                full = unshard(parts, d, self.tp_info["pieces"].get(fqn))
             else:
-                full = local.detach().clone() if mine else torch.empty(shape, dtype=local.dtype, device=local.device)
+                full = local.detach().clone() if mine else torch.empty(shape, dtype=local.dtype, device=self.device)
             if self.world > 1 and fqn in owner:
                 dist.broadcast(full, src=owner[fqn] * self.tp)
             out[name] = full
@@ -343,17 +395,20 @@ class CompiledModel:
 
 def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
             *, optimizer=None, device=None, device_model: DeviceModel = H100, frontend: str = "auto",
-            timeout: float | None = None, program: Program | None = None) -> CompiledModel:
+            timeout: float | None = None, program: Program | None = None, weights=None) -> CompiledModel:
     """Compile ``model`` for ``plan`` on this rank (call it on every rank with the same arguments).
 
     ``example_kwargs`` is one full batch (labels included for training); ``optimizer`` a factory
     ``params -> torch.optim.Optimizer`` applied to the parameters this rank holds. ``timeout``: seconds a
     rank waits for a peer before failing with a message that names it (default 300, or
     ``FXPAR_TIMEOUT``). ``program``: an ``fxpar.trace`` of ``model`` on one microbatch, to compile one
-    trace for several plans without tracing again.
+    trace for several plans without tracing again. ``weights``: for a model built on the meta device,
+    where each rank's shards come from: a state dict with the model's FQNs, safetensors path(s), or
+    ``"init"`` (the model's initialiser); see :mod:`fxpar.weights`.
     """
     if isinstance(plan, str):
         plan = Plan.parse(plan)
     timeout = float(timeout if timeout is not None else os.environ.get("FXPAR_TIMEOUT", 300))
     return CompiledModel(model, plan, example_args, dict(example_kwargs or {}), optimizer, device=device,
-                         device_model=device_model, frontend=frontend, timeout=timeout, program=program)
+                         device_model=device_model, frontend=frontend, timeout=timeout, program=program,
+                         weights=weights)

@@ -46,7 +46,7 @@ def needs_grad(program: Program) -> set[torch.fx.Node]:
     return flows
 
 
-def _set_nested(root: torch.nn.Module, fqn: str, value) -> None:
+def set_nested(root: torch.nn.Module, fqn: str, value) -> None:
     *path, last = fqn.split(".")
     mod = root
     for p in path:
@@ -122,11 +122,11 @@ def split_pipeline(program: Program, cuts: list[tuple[str, str]], stage_to_rank:
                 else:
                     target = b.target if b.kind != "constant" else "_const_" + b.target.replace(".", "_")
                     value = program.tensor(b.target) if b.kind != "constant" else program.constants[b.target]
-                    _set_nested(root, target, value)
+                    set_nested(root, target, value)
                     (params if b.kind == "parameter" else buffers if b.kind == "buffer" else []).append(b.target)
                     new = g.get_attr(target)
             elif a.op == "get_attr":  # a higher-order op's body
-                _set_nested(root, a.target, getattr(program.gm, a.target))
+                set_nested(root, a.target, getattr(program.gm, a.target))
                 new = g.get_attr(a.target)
             else:
                 producer = stage_of[a]

@@ -153,6 +153,10 @@ class Program:
     def tensor(self, fqn: str) -> torch.Tensor:
         return self._tensors[self.canonical(fqn)]
 
+    def set_tensor(self, fqn: str, value: torch.Tensor) -> None:
+        """Replace the live tensor behind ``fqn`` (e.g. a meta tensor by its materialised shard)."""
+        self._tensors[self.canonical(fqn)] = value
+
     def nodes(self, *, recurse: bool = True):
         """Every node of the graph, including those of higher-order-op subgraphs when ``recurse``."""
         yield from iter_nodes(self.gm, recurse=recurse)

@@ -1,0 +1,95 @@
+"""Meta-device models: each rank materialises only its shards, from a state dict, safetensors files
+(read slice by slice) or the model's initialiser; training then matches the full model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+import fxpar
+from fxpar.testing import multiproc, zoo
+from fxpar.weights import WeightSource
+
+TOL = 1e-5
+pool2 = multiproc.rank_pool(2)
+pool4 = multiproc.rank_pool(4)
+
+
+def _meta(name: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(zoo.tiny_config(name))
+    return model.train()
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def meta_training(name: str, plan: str, source: str, path: str) -> dict:
+    ref = zoo.build(name, seed=0)
+    weights = {"state_dict": ref.state_dict(), "safetensors": path, "init": "init"}[source]
+    batch = zoo.example_inputs(name, ref, batch=4, seq=8)
+    compiled = fxpar.compile(_meta(name), plan, example_kwargs=batch, optimizer=sgd, weights=weights, timeout=60)
+    held = {n: tuple(p.shape) for n, p in compiled.program.named_parameters() if not p.is_meta}
+    meta_left = [n for stage in compiled.pipeline.stages_of(compiled.pp_rank)
+                 for n, p in stage.gm.named_parameters() if p.is_meta]
+    state = compiled.full_state_dict()
+    out = {"held": held, "meta_left": meta_left}
+    if source == "init":  # the same values on every plan and rank: each module seeded by its FQN
+        expected = WeightSource(_meta(name), "init")
+        out["init_diff"] = max((state[k] - expected.load([k], None, None, 1, 0, like=v)).abs().max().item()
+                               for k, v in ref.state_dict().items())
+        out["std"] = state["model.layers.0.mlp.up_proj.weight"].std().item()
+        return out
+    out["weights"] = max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    ref_opt = sgd(ref.parameters())
+    loss = compiled.step(**batch)
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    ref_opt.step()
+    out["loss"] = abs(loss.item() - ref_loss.item())
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("weights") / "model.safetensors"
+    ref = zoo.build("llama", seed=0)
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items() if k != "lm_head.weight"
+               or not ref.config.tie_word_embeddings}, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("source", ["state_dict", "safetensors"])
+def test_meta_model_from_weights_tp2(source, llama_file, pool2):
+    for rank, r in enumerate(pool2.run(meta_training, "llama", "tp=2", source, llama_file, timeout=120)):
+        assert r["weights"] <= TOL and r["loss"] <= TOL, r
+        assert not r["meta_left"], r["meta_left"]
+        full = dict(zoo.build("llama").named_parameters())
+        assert r["held"]["model.layers.0.mlp.up_proj.weight"] == (full["model.layers.0.mlp.up_proj.weight"].shape[0] // 2,
+                                                                 full["model.layers.0.mlp.up_proj.weight"].shape[1])
+
+
+def test_meta_model_from_initialiser(pool2):
+    for r in pool2.run(meta_training, "llama", "tp=2", "init", "", timeout=120):
+        assert r["init_diff"] == 0.0 and not r["meta_left"]
+        assert 0.015 < r["std"] < 0.025  # transformers' initializer_range 0.02
+
+
+@pytest.mark.slow
+def test_meta_model_pp2_tp2_holds_only_its_stages(llama_file, pool4):
+    results = pool4.run(meta_training, "llama", "pp=2,tp=2", "safetensors", llama_file, timeout=180)
+    for r in results:
+        assert r["weights"] <= TOL and r["loss"] <= TOL and not r["meta_left"], r
+    first, last = results[0]["held"], results[-1]["held"]
+    assert "model.embed_tokens.weight" in first and "model.embed_tokens.weight" not in last
+    assert "model.norm.weight" in last and "model.norm.weight" not in first
+
+
+def test_wrong_state_dict_is_a_clear_error():
+    model = _meta("llama")
+    source = WeightSource(model, {"model.embed_tokens.weight": torch.zeros(3, 3)})
+    with pytest.raises(fxpar.PlanError, match=r"model.embed_tokens.weight has shape \(3, 3\)"):
+        source.load(["model.embed_tokens.weight"], None, None, 1, 0, like=torch.empty(256, 64, device="meta"))
