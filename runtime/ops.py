@@ -476,6 +476,18 @@ def _full_bytes(kind: str, node: torch.fx.Node) -> int:
     return out_b * n if kind in ("reduce_scatter", "scatter_slice") else out_b
 
 
+def collective_events(gm: torch.fx.GraphModule) -> list[dict]:
+    """Every fxpar op node with what it communicates: ``{"node", "kind", "module", "forward", "backward",
+    "bytes"}`` where forward/backward name the collective each direction runs (None: none) and bytes
+    is the full tensor's payload (as :func:`collective_bytes` counts it)."""
+    out = []
+    for kind, node in _collective_nodes(gm):
+        fwd, bwd = _COMMS[kind]
+        out.append({"node": node.name, "kind": kind, "module": node.meta.get("fxpar.module", ""), "forward": fwd,
+                    "backward": bwd, "bytes": _full_bytes(kind, node) if fwd or bwd else 0})
+    return out
+
+
 def collective_bytes(gm: torch.fx.GraphModule, *, backward: bool = False) -> dict[str, int]:
     """Raw payload bytes per fxpar op, summed over its nodes: the size of the full (unsharded) tensor
     each collective works on (the all-reduced tensor, the gathered output, the reduce-scattered input),

@@ -11,7 +11,7 @@ ALLOWED = {
     "fxpar.ir": set(),
     "fxpar.frontend": {"fxpar.ir"},
     "fxpar.cost": {"fxpar.ir"},
-    "fxpar.inspect": {"fxpar.ir"},
+    "fxpar.inspect": {"fxpar.ir", "fxpar.runtime.ops"},
     "fxpar.passes": {"fxpar.ir", "fxpar.cost", "fxpar.runtime.ops"},
     "fxpar.runtime": {"fxpar.ir"},
     "fxpar.testing": {"fxpar.ir", "fxpar.frontend", "fxpar.cost", "fxpar.inspect", "fxpar.passes",

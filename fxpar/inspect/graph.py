@@ -54,8 +54,17 @@ def _fmt_arg(a) -> str:
     return one(a)
 
 
+def placement_text(placements) -> str:
+    """DTensor notation: ``Shard(2)``, ``Replicate()``, ``Partial()`` (one per mesh axis)."""
+    def one(p):
+        return f"Shard({p.dim})" if hasattr(p, "dim") else f"{type(p).__name__}()"
+    return ", ".join(one(p) for p in placements)
+
+
 def node_line(node: torch.fx.Node) -> str:
     val = describe_val(node.meta.get(meta.VAL))
+    if meta.PLACEMENT in node.meta:
+        val += " " + placement_text(node.meta[meta.PLACEMENT])
     owner = node.meta.get(meta.MODULE, "")
     cost = node.meta.get(meta.COST, meta.ZERO_COST)
     tail = f"  # {owner or '<root>'}" + (f"  {human(cost.flops)} FLOPs" if cost.flops else "")

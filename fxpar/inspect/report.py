@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fxpar.inspect.collectives import collective_rows, format_collective_rows
 from fxpar.inspect.graph import graph_text, module_text, write_picture
 from fxpar.inspect.stages import format_stage_table, stage_rows
 from fxpar.inspect.table import ModuleRow, format_rows, human, module_rows, select_rows
@@ -33,6 +34,13 @@ class Report:
     def stage_table(self) -> str:
         c = self.compiled
         return format_stage_table(self.stages, getattr(c, "predicted", None), c.schedule_name, c.m)
+
+    def collectives(self) -> list[dict]:
+        """Per layer: collectives of this rank's program in forward and backward, and their bytes."""
+        return collective_rows(self.program.gm)
+
+    def collective_table(self) -> str:
+        return format_collective_rows(self.collectives())
 
     def stage_graph(self, index: int) -> str:
         """The readable graph of pipeline stage ``index`` (parameters under their FQNs)."""
@@ -63,6 +71,8 @@ class Report:
             plan = self.compiled.plan
             text += (f"\n\npipeline: pp={plan.pp}, {len(self.compiled.pipeline.stages)} stages, schedule "
                      f"{self.compiled.schedule_name}, {self.compiled.m} microbatches\n\n" + self.stage_table())
+            if plan.tp > 1:
+                text += f"\n\ntensor parallel: tp={plan.tp}, collectives of this rank\n\n" + self.collective_table()
         return text
 
     def __str__(self) -> str:
@@ -88,7 +98,8 @@ class Report:
                    "layer_container": info.layer_container, "num_layers": info.num_layers},
             "pictures": [str(x) for x in self.pictures],
             **({"plan": self.compiled.plan.to_dict(), "cuts": [list(c) for c in self.compiled.cuts],
-                "stages": self.stages, "predicted": getattr(self.compiled, "predicted", None)}
+                "stages": self.stages, "predicted": getattr(self.compiled, "predicted", None),
+                "collectives": self.collectives()}
                if self.compiled is not None else {}),
         }
 

@@ -1,0 +1,49 @@
+"""Collectives of a tensor-parallel program, per layer: what each layer communicates in forward and
+in backward, and how many bytes (the full tensor each collective works on)."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+
+from fxpar.inspect.table import human
+from fxpar.runtime.ops import collective_events
+
+_LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+def layer_of(module: str) -> str:
+    """``model.layers.3.mlp.down_proj`` -> ``model.layers.3``; modules outside a numbered container
+    keep their first two components."""
+    m = _LAYER.match(module)
+    return m.group(1) if m else ".".join(module.split(".")[:2]) or "<root>"
+
+
+def collective_rows(gm: torch.fx.GraphModule) -> list[dict]:
+    rows: dict[str, dict] = defaultdict(lambda: {"forward": defaultdict(int), "backward": defaultdict(int),
+                                                 "forward_bytes": 0, "backward_bytes": 0})
+    for e in collective_events(gm):
+        row = rows[layer_of(e["module"])]
+        for side in ("forward", "backward"):
+            if e[side]:
+                row[side][e[side]] += 1
+                row[f"{side}_bytes"] += e["bytes"]
+    return [{"layer": layer, "forward": dict(r["forward"]), "backward": dict(r["backward"]),
+             "forward_bytes": r["forward_bytes"], "backward_bytes": r["backward_bytes"]}
+            for layer, r in rows.items()]
+
+
+def format_collective_rows(rows: list[dict]) -> str:
+    def counts(d: dict) -> str:
+        return ", ".join(f"{n} {k}" for k, n in sorted(d.items())) or "-"
+    head = ("layer", "forward", "fwd bytes", "backward", "bwd bytes")
+    body = [(r["layer"], counts(r["forward"]), human(r["forward_bytes"]) + "B", counts(r["backward"]),
+             human(r["backward_bytes"]) + "B") for r in rows]
+    widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]]
+    total_f = sum(r["forward_bytes"] for r in rows)
+    total_b = sum(r["backward_bytes"] for r in rows)
+    lines.append(f"total: forward {human(total_f)}B, backward {human(total_b)}B per microbatch")
+    return "\n".join(lines)
