@@ -12,6 +12,7 @@ only collective: process groups for parameters shared between stages on differen
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +35,10 @@ from fxpar.ir.program import Program
 from fxpar.ir.stage import PipelineProgram
 from fxpar.passes.pipeline_split import loss_position, set_nested, split_pipeline
 from fxpar.passes.tensor_parallel import tensor_parallel, unshard
+from fxpar.passes.zero import zero3
 from fxpar.runtime import ops as fxops
 from fxpar.runtime import schedules as sched
+from fxpar.runtime.data_parallel import DataParallelEngine, regather_for_backward
 from fxpar.runtime.pipeline import PipelineRuntime
 from fxpar.weights import WeightSource
 
@@ -144,12 +147,16 @@ class CompiledModel:
             raise PlanError(f"plan dp={plan.dp} x pp={plan.pp} x tp={plan.tp} needs {plan.world_size} ranks, but the "
                             f"world has {self.world}; launch with torchrun --nproc_per_node {plan.world_size} or "
                             "change the degrees")
-        if plan.dp > 1 or plan.zero:
-            raise PlanError("this fxpar build runs pipeline and tensor parallelism (dp=1, zero=0); data "
-                            "parallelism and ZeRO are not part of it yet")
+        if plan.zero >= 2 and plan.pp > 1:
+            warnings.warn(f"ZeRO-{plan.zero} with pipeline parallelism gathers or reduces parameters once per "
+                          "microbatch; ZeRO-1 is the usual choice with pp > 1", stacklevel=3)
         # ranks: TP innermost (it stays within a node), then PP: rank = pp_rank * tp + tp_rank
-        self.tp, self.tp_rank, self.pp_rank = plan.tp, self.rank % plan.tp, self.rank // plan.tp
-        self.pp_ranks = [p * plan.tp + self.tp_rank for p in range(plan.pp)]  # my pipeline's global ranks
+        # ranks: TP innermost, then PP, then DP: rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+        self.tp, self.dp = plan.tp, plan.dp
+        self.tp_rank, self.pp_rank = self.rank % plan.tp, (self.rank // plan.tp) % plan.pp
+        self.dp_rank = self.rank // (plan.tp * plan.pp)
+        self.replica = self.dp_rank * plan.pp * plan.tp  # first global rank of my data-parallel replica
+        self.pp_ranks = [self.replica + p * plan.tp + self.tp_rank for p in range(plan.pp)]  # my pipeline
         self.tp_info: dict = {"sharded": {}, "pieces": {}}
         self._tp_shards: dict[str, torch.Tensor] = {}  # this rank's TP shards, shared by every signature
         self.schedule_name = sched.normalize_schedule(plan.schedule)
@@ -159,7 +166,7 @@ class CompiledModel:
         flat, _ = pytree.tree_flatten((tuple(example_args), dict(example_kwargs)))
         self.batch = _batch_size(flat)
         self.m = plan.microbatches or self.n_stages
-        if self.batch % self.m:
+        if self.batch % (self.m * plan.dp):
             raise PlanError(f"batch of {self.batch} does not divide into {self.m} microbatches; global batch = "
                             f"microbatch size x microbatches x dp ({plan.dp}): pick a batch that is a multiple "
                             f"of {self.m * plan.dp} or another number of microbatches")
@@ -170,13 +177,35 @@ class CompiledModel:
         self.weights = WeightSource(model, weights) if weights is not None else None
         self._loaded: dict[str, torch.Tensor] = {}  # FQN -> tensor materialised from ``weights``
         self.cuts: list[tuple[str, str]] | None = None
-        if plan.tp > 1:  # the only collective before tracing: every rank creates every TP group
-            fxops.new_subgroups("tp", [[p * plan.tp + t for t in range(plan.tp)] for p in range(plan.pp)])
+        stride = plan.pp * plan.tp
+        if plan.tp > 1:  # the only collectives before tracing: every rank creates every TP and DP group
+            fxops.new_subgroups("tp", [[d * stride + p * plan.tp + t for t in range(plan.tp)]
+                                       for d in range(plan.dp) for p in range(plan.pp)])
+        if plan.dp > 1 or plan.zero:
+            fxops.new_subgroups("dp", [[d * stride + p * plan.tp + t for d in range(plan.dp)]
+                                       for p in range(plan.pp) for t in range(plan.tp)])
+        self._zero3_cache: dict = {}
+        self._zero3_buckets: dict[int, list] = {}  # stage -> its ZeRO-3 buckets (training signature)
         self.train = self._compile(example_args, example_kwargs, program)
         self._tied_groups = self._make_tied_groups(self.train.pipeline)
         mine = self._my_parameters(self.train.pipeline)
         # a rank whose stages hold no parameter (possible with tiny models) has nothing to optimise
-        self.optimizer = optimizer(mine) if optimizer is not None and mine else None
+        self.engine = None
+        if plan.dp > 1 or plan.zero:
+            if optimizer is None:
+                raise PlanError("data parallelism and ZeRO need the optimizer: pass optimizer=lambda params: ...")
+            named = [(n, p) for s in self.train.pipeline.stages_of(self.pp_rank) for n, p in s.gm.named_parameters()]
+            seen, unique = set(), []
+            for n, p in named:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    unique.append((n, p))
+            self.engine = DataParallelEngine(unique, optimizer, dp=plan.dp, rank=self.dp_rank, zero=plan.zero,
+                                             bucket_bytes=int((plan.bucket_mb or 25) * 2**20),
+                                             overlap=not self._tied_groups)
+            self.optimizer = self.engine.optimizer
+        else:
+            self.optimizer = optimizer(mine) if optimizer is not None and mine else None
 
     # ---- building ----------------------------------------------------------------------------------
     def _compile(self, args, kwargs, program: Program | None = None) -> _Compiled:
@@ -184,7 +213,7 @@ class CompiledModel:
         key = str(spec)
         if key in self._signatures:
             return self._signatures[key]
-        mb = _split_batch(flat, self.batch, self.m)[0]
+        mb = _split_batch(flat, self.batch, self.m * self.dp)[0]
         on_meta = any(p.is_meta for p in self.model.parameters())
         if on_meta:  # a meta model is traced on meta inputs
             mb = [v.to("meta") if isinstance(v, torch.Tensor) else v for v in mb]
@@ -218,8 +247,16 @@ class CompiledModel:
             if on_meta:
                 _retarget_device([program.gm] + [s.gm for s in pipeline.stages], self.device)
         self._annotate_costs(full, pipeline)
+        if self.plan.zero == 3:
+            for stage in pipeline.stages_of(self.pp_rank):
+                buckets = zero3(stage.gm, stage.params, self.dp, self.dp_rank, group="dp",
+                                bucket_bytes=int((self.plan.bucket_mb or 0) * 2**20),
+                                prefetch=self.plan.prefetch, cache=self._zero3_cache)
+                self._zero3_buckets.setdefault(stage.index, buckets)
         runtime = PipelineRuntime(pipeline, self.schedule, self.pp_rank, self.pp_ranks, None, self.device,
                                   self.timeout)
+        if self.plan.zero == 3:
+            runtime.forward_context = regather_for_backward
         compiled = _Compiled(program, pipeline, runtime)
         self._signatures[key] = compiled
         return compiled
@@ -282,13 +319,19 @@ class CompiledModel:
 
     # ---- running -----------------------------------------------------------------------------------
     def _microbatches(self, compiled: _Compiled, args, kwargs) -> list[list]:
+        """Every data-parallel rank's microbatches of the global batch, dp rank-major (rank d owns
+        ``[d * m, (d + 1) * m)``)."""
         flat = compiled.program.flatten_inputs(tuple(args), dict(kwargs))
         batch = _batch_size(flat)
         if batch != self.batch:
             raise PlanError(f"batch of {batch} given, but the program was compiled for {self.batch} "
-                            f"({self.m} microbatches of {self.batch // self.m}); compile again for this batch")
+                            f"({self.dp} x {self.m} microbatches of {self.batch // (self.dp * self.m)}); compile "
+                            "again for this batch")
         return _split_batch([v.to(self.device) if isinstance(v, torch.Tensor) else v for v in flat],
-                            batch, self.m)
+                            batch, self.dp * self.m)
+
+    def _mine(self, mbs: list) -> list:
+        return mbs[self.dp_rank * self.m:(self.dp_rank + 1) * self.m]
 
     def step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward over the microbatches, gradient sync, optimizer step; the batch's loss."""
@@ -298,9 +341,11 @@ class CompiledModel:
                             f"{type(self.model).__name__} compute its loss)")
         for p in self._my_parameters(compiled.pipeline):
             p.grad = None
-        mbs = self._microbatches(compiled, args, kwargs)
-        weights = _loss_weights(compiled.program, mbs, self.model)
-        result = compiled.runtime.run(mbs, train=True, loss_weights=weights)
+        if self.engine is not None:
+            self.engine.start_step()
+        every = self._microbatches(compiled, args, kwargs)
+        weights = self._mine(_loss_weights(compiled.program, every, self.model))  # shares of the global batch
+        result = compiled.runtime.run(self._mine(every), train=True, loss_weights=weights)
         for fqn, ranks, group in self._tied_groups:
             if self.pp_rank in ranks:
                 p = compiled.program.tensor(fqn)
@@ -311,9 +356,13 @@ class CompiledModel:
         loss = torch.zeros((), device=self.device)
         if result["losses"]:
             loss = sum(result["losses"][i].detach() for i in sorted(result["losses"])).to(self.device).reshape(())
-        if self.world > 1:
-            dist.broadcast(loss, src=loss_stage.rank * self.tp)  # TP rank 0 of the loss stage
-        if self.optimizer is not None:
+        if self.world > 1:  # the loss stage's TP rank 0 of every replica holds its share of the global loss
+            if not (loss_stage.rank == self.pp_rank and self.tp_rank == 0):
+                loss.zero_()
+            dist.all_reduce(loss)
+        if self.engine is not None:
+            self.engine.step()
+        elif self.optimizer is not None:
             self.optimizer.step()
         return loss
 
@@ -321,8 +370,10 @@ class CompiledModel:
     def __call__(self, *args, **kwargs):
         """Inference: forward over the microbatches; the model's outputs, gathered on every rank."""
         compiled = self._compile(args, kwargs)
-        mbs = self._microbatches(compiled, args, kwargs)
-        result = compiled.runtime.run(mbs, train=False)
+        every = self._microbatches(compiled, args, kwargs)
+        mbs = [every[i * self.m:(i + 1) * self.m] for i in range(self.dp)]
+        # each replica runs its slice; outputs are exchanged below (every rank gets the whole batch)
+        result = compiled.runtime.run(mbs[self.dp_rank], train=False)
         pipeline, program = compiled.pipeline, compiled.program
         outs = []
         for j in range(pipeline.num_user_outputs):
@@ -331,14 +382,18 @@ class CompiledModel:
                 outs.append(None)
                 continue
             val = stage.output_val(stage.final[j])
-            if stage.rank == self.pp_rank:
+            # every replica's slice written in place by its owner (the stage's TP rank 0), then summed
+            shape = (val.shape[0] * self.m * self.dp, *val.shape[1:]) if val.dim() > 0 else ()
+            full = torch.zeros(shape, dtype=val.dtype, device=self.device)
+            if stage.rank == self.pp_rank and self.tp_rank == 0:
                 parts = [result["outputs"][i][j] for i in range(self.m)]
-                full = torch.cat(parts) if val.dim() > 0 else sum(parts) / self.m
-            else:
-                shape = (val.shape[0] * self.m, *val.shape[1:]) if val.dim() > 0 else ()
-                full = torch.empty(shape, dtype=val.dtype, device=self.device)
+                if val.dim() > 0:
+                    n = val.shape[0] * self.m
+                    full[self.dp_rank * n:(self.dp_rank + 1) * n] = torch.cat(parts)
+                else:
+                    full = (sum(parts) / (self.m * self.dp)).to(val.dtype)
             if self.world > 1:
-                dist.broadcast(full, src=stage.rank * self.tp)
+                dist.all_reduce(full)
             outs.append(full)
         return pytree.tree_unflatten(outs, program.out_spec)
 
@@ -349,6 +404,8 @@ class CompiledModel:
         TP shards are gathered within the owning stage's TP group, then sent from its TP rank 0.
         """
         pipeline, program = self.train.pipeline, self.train.program
+        if self.plan.zero == 3:
+            self._sync_zero3(grads)
         owner: dict[str, int] = {}
         for stage in pipeline.stages:
             for fqn in stage.params + stage.buffers:
@@ -379,6 +436,55 @@ class CompiledModel:
                 dist.broadcast(full, src=owner[fqn] * self.tp)
             out[name] = full
         return out
+
+    def _sync_zero3(self, grads: bool) -> None:
+        """Gather every ZeRO-3 bucket of this rank's stages into the original parameters (or their
+        gradients), so the full state can be read under the original FQNs."""
+        pg = fxops.resolve_group("dp")
+        program = self.train.program
+        for buckets in self._zero3_buckets.values():
+            for b in buckets:
+                src = b.shard.grad if grads else b.shard.detach()
+                if src is None:
+                    src = torch.zeros_like(b.shard)
+                full = torch.empty(b.shard_numel * self.dp, dtype=src.dtype, device=src.device)
+                dist.all_gather_into_tensor(full, src.contiguous(), group=pg)
+                for name, piece in b.unflatten(full).items():
+                    p = program.tensor(name)
+                    if grads:
+                        p.grad = piece.clone()
+                    else:
+                        with torch.no_grad():
+                            p.copy_(piece)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds now for parameters, gradients and optimizer states: measured from the
+        tensors, and predicted from parameter counts (fp32 master weights; Adam-style optimizers keep
+        two states, SGD with momentum one)."""
+        if self.engine is not None:
+            measured = self.engine.memory()
+        else:
+            params = self._my_parameters(self.train.pipeline)
+            states = [v for st in (self.optimizer.state.values() if self.optimizer else []) for v in st.values()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0]
+            measured = {"params": sum(p.numel() * p.element_size() for p in params),
+                        "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+                        "optimizer": sum(t.numel() * t.element_size() for t in states)}
+        n = sum(p.numel() for s in self.train.pipeline.stages_of(self.pp_rank)
+                for p in {id(q): q for q in self._stage_tensors(s)}.values())
+        opt = self.optimizer
+        states = 2 if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+                                       torch.optim.RAdam)) else \
+            1 if opt is not None and any(g.get("momentum", 0) for g in opt.param_groups) else 0
+        z, dp = self.plan.zero, self.dp
+        predicted = {"params": 4 * n // (dp if z == 3 else 1), "grads": 4 * n // (dp if z >= 2 else 1),
+                     "optimizer": 4 * states * n // (dp if z >= 1 else 1)}
+        return {"measured": measured, "predicted": predicted}
+
+    def _stage_tensors(self, stage) -> list[torch.Tensor]:
+        """The trainable parameters a stage computes with, whole (before any ZeRO-3 sharding)."""
+        program = self.train.program
+        return [program.tensor(f) for f in stage.params if program.tensor(f).requires_grad]
 
     # ---- reading -----------------------------------------------------------------------------------
     def stage_costs(self) -> list[StageCost]:

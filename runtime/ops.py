@@ -75,6 +75,7 @@ COLLECTIVE_OPS = (
     "all_gather_rs_bwd",
     "reduce_scatter",
     "scatter_slice",
+    "gather_params",
 )
 
 # op -> (communication its forward does, communication its backward does); None: no communication.
@@ -85,6 +86,9 @@ _COMMS: dict[str, tuple[str | None, str | None]] = {
     "all_gather_rs_bwd": ("all_gather", "reduce_scatter"),
     "reduce_scatter": ("reduce_scatter", "all_gather"),
     "scatter_slice": (None, "all_gather"),
+    # ZeRO-3: gathered for forward, gathered again for backward (fxpar.runtime.data_parallel), gradient
+    # reduce-scattered: its backward payload counts twice
+    "gather_params": ("all_gather", "all_gather+reduce_scatter"),
 }
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -266,6 +270,25 @@ def all_gather_rs_bwd(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
     return _gather_impl("all_gather_rs_bwd", x, group, dim)
 
 
+# set by fxpar.runtime.data_parallel while a ZeRO-3 forward runs: told of every gathered parameter bucket,
+# so that autograd saves a handle instead of the gathered tensor and gathers again in backward
+param_gather_observer = None
+
+
+@torch.library.custom_op("fxpar::gather_params", mutates_args=())
+def gather_params(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
+    """ZeRO-3: this rank's shard of a flat parameter bucket, gathered to the full bucket along ``dim``.
+    Backward: reduce-scatter of the gradient (each rank keeps the summed gradient of its shard)."""
+    out = _gather_impl("gather_params", x, group, dim)
+    if param_gather_observer is not None:
+        param_gather_observer(out, x, group, dim)
+    return out
+
+
+def gather_params_op():
+    return torch.ops.fxpar.gather_params.default
+
+
 @torch.library.custom_op("fxpar::reduce_scatter", mutates_args=())
 def reduce_scatter(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
     """Sum ``x`` over ``group`` and keep this rank's slice along ``dim`` (dim shrinks ``group size``
@@ -345,6 +368,7 @@ def _gather_fake(op: str):
 
 all_gather.register_fake(_gather_fake("all_gather"))
 all_gather_rs_bwd.register_fake(_gather_fake("all_gather_rs_bwd"))
+gather_params.register_fake(_gather_fake("gather_params"))
 
 
 def _scatter_fake(op: str):
@@ -399,6 +423,7 @@ all_reduce.register_autograd(_all_reduce_bwd, setup_context=_save_all_reduce)
 identity_fwd_all_reduce_bwd.register_autograd(_identity_bwd, setup_context=_identity_save)
 all_gather.register_autograd(_backward_with(scatter_slice), setup_context=_save_group_dim)
 all_gather_rs_bwd.register_autograd(_backward_with(reduce_scatter), setup_context=_save_group_dim)
+gather_params.register_autograd(_backward_with(reduce_scatter), setup_context=_save_group_dim)
 reduce_scatter.register_autograd(_backward_with(all_gather), setup_context=_save_group_dim)
 scatter_slice.register_autograd(_backward_with(all_gather), setup_context=_save_group_dim)
 
@@ -472,7 +497,7 @@ def _full_bytes(kind: str, node: torch.fx.Node) -> int:
         return max(in_b, out_b)
     n = group_size(_node_arg(node, 1, "group"))
     if in_b is not None:
-        return in_b * n if kind in ("all_gather", "all_gather_rs_bwd") else in_b
+        return in_b * n if kind in ("all_gather", "all_gather_rs_bwd", "gather_params") else in_b
     return out_b * n if kind in ("reduce_scatter", "scatter_slice") else out_b
 
 
@@ -496,8 +521,9 @@ def collective_bytes(gm: torch.fx.GraphModule, *, backward: bool = False) -> dic
     node's backward will run (for a forward graph whose backward autograd derives from the ops)."""
     out = dict.fromkeys(COLLECTIVE_OPS, 0)
     for kind, node in _collective_nodes(gm):
-        if _COMMS[kind][1 if backward else 0] is not None:
-            out[kind] += _full_bytes(kind, node)
+        comm = _COMMS[kind][1 if backward else 0]
+        if comm is not None:
+            out[kind] += _full_bytes(kind, node) * len(comm.split("+"))
     return out
 
 
@@ -519,5 +545,6 @@ def collective_ring_bytes(gm: torch.fx.GraphModule, *, backward: bool = False) -
     for kind, node in _collective_nodes(gm):
         comm = _COMMS[kind][1 if backward else 0]
         if comm is not None:
-            out[kind] += ring_bytes(comm, _full_bytes(kind, node), group_size(_node_arg(node, 1, "group")))
+            n = group_size(_node_arg(node, 1, "group"))
+            out[kind] += sum(ring_bytes(c, _full_bytes(kind, node), n) for c in comm.split("+"))
     return out

@@ -19,6 +19,7 @@ names the value and the rank it waited for.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections import defaultdict
 from dataclasses import dataclass
@@ -127,6 +128,7 @@ class PipelineRuntime:
         self.device = torch.device(device)
         self.global_ranks, self.group, self.timeout = global_ranks, group, timeout
         self.stages = {s.index: s for s in pprog.stages_of(me)}
+        self.forward_context = contextlib.nullcontext  # wraps each training forward (ZeRO-3 sets one)
         # (stage, output) -> how many stages on this rank read it
         self.local_readers: dict[tuple[int, int], int] = defaultdict(int)
         for s in self.stages.values():
@@ -171,7 +173,7 @@ class PipelineRuntime:
                     if need and train:
                         v = v.detach().requires_grad_(True)
                     args.append(v)
-                with torch.set_grad_enabled(train):
+                with torch.set_grad_enabled(train), (self.forward_context() if train else contextlib.nullcontext()):
                     outs = spec.gm(*args)
                 for i, (o, cons) in enumerate(zip(outs, spec.consumers)):
                     for dst in sorted({self.rank_of[c] for c in cons}):

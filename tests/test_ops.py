@@ -29,6 +29,7 @@ SINGLE_ARGS = {
     "all_gather_rs_bwd": ("tp", -1),
     "reduce_scatter": ("tp", 0),
     "scatter_slice": ("tp", 1),
+    "gather_params": ("tp", 0),
 }
 
 
@@ -154,22 +155,22 @@ def test_export_traces_ops_with_fake_shapes():
         "all_gather": [(2, 3, 8)],
         "scatter_slice": [(1, 6, 4)],
     }
-    assert ops.count_collectives(gm) == dict.fromkeys(ops.COLLECTIVE_OPS, 1)
+    assert ops.count_collectives(gm) == dict.fromkeys(ops.COLLECTIVE_OPS, 1) | {"gather_params": 0}
 
     # bytes: the full tensor each collective works on; float32 (2, 6, 4) = 192 bytes
     full = 2 * 6 * 4 * 4
     assert ops.collective_bytes(gm) == {
         "all_reduce": full, "identity_fwd_all_reduce_bwd": 0, "all_gather": full,
-        "all_gather_rs_bwd": full, "reduce_scatter": full, "scatter_slice": 0,
+        "all_gather_rs_bwd": full, "reduce_scatter": full, "scatter_slice": 0, "gather_params": 0,
     }
     assert ops.collective_bytes(gm, backward=True) == {
         "all_reduce": 0, "identity_fwd_all_reduce_bwd": full, "all_gather": 0,
-        "all_gather_rs_bwd": full, "reduce_scatter": full, "scatter_slice": full,
+        "all_gather_rs_bwd": full, "reduce_scatter": full, "scatter_slice": full, "gather_params": 0,
     }
     # ring over 2 ranks: all-reduce sends 2 * 1/2 of the payload, gathers and scatters 1/2
     assert ops.collective_ring_bytes(gm) == {
         "all_reduce": full, "identity_fwd_all_reduce_bwd": 0, "all_gather": full // 2,
-        "all_gather_rs_bwd": full // 2, "reduce_scatter": full // 2, "scatter_slice": 0,
+        "all_gather_rs_bwd": full // 2, "reduce_scatter": full // 2, "scatter_slice": 0, "gather_params": 0,
     }
     assert ops.ring_bytes("all_reduce", 1000, 4) == 1500 and ops.ring_bytes("all_gather", 1000, 4) == 750
     assert ops.ring_bytes("reduce_scatter", 1000, 1) == 0
@@ -193,7 +194,7 @@ def test_make_fx_backward_shows_collectives():
     # forward: one of each; backward: all_gather_rs_bwd -> reduce_scatter, identity_fwd -> all_reduce,
     # reduce_scatter -> all_gather, all_gather -> scatter_slice, scatter_slice -> all_gather
     assert counts == {"all_reduce": 2, "identity_fwd_all_reduce_bwd": 1, "all_gather": 3,
-                      "all_gather_rs_bwd": 1, "reduce_scatter": 2, "scatter_slice": 2}
+                      "all_gather_rs_bwd": 1, "reduce_scatter": 2, "scatter_slice": 2, "gather_params": 0}
     grads = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     assert [tuple(g.meta["val"].shape) for g in grads] == [(2, 3, 4), (8, 4), (4, 8)]
 

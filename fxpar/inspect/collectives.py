@@ -3,22 +3,13 @@ in backward, and how many bytes (the full tensor each collective works on)."""
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 import torch
 
 from fxpar.inspect.table import human
+from fxpar.ir.program import layer_of
 from fxpar.runtime.ops import collective_events
-
-_LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")
-
-
-def layer_of(module: str) -> str:
-    """``model.layers.3.mlp.down_proj`` -> ``model.layers.3``; modules outside a numbered container
-    keep their first two components."""
-    m = _LAYER.match(module)
-    return m.group(1) if m else ".".join(module.split(".")[:2]) or "<root>"
 
 
 def collective_rows(gm: torch.fx.GraphModule) -> list[dict]:

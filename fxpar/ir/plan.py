@@ -25,7 +25,9 @@ class Plan:
     the number of stages); ``schedule``: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv`` or
     ``interleaved_zb``; ``split_points``: explicit cuts ``{"model.layers.16": "beginning"}`` instead of
     the cost-balanced ones. ``dp``, ``tp``, ``zero``, ``tp_plan`` and ``sequence_parallel`` are the data-
-    and tensor-parallel degrees and options.
+    and tensor-parallel degrees and options. ``bucket_mb``: gradient buckets of DDP / ZeRO-1/2 (default
+    25 MB) and parameter buckets of ZeRO-3 (default: one per layer; consecutive layers merged up to
+    this size); ``prefetch``: how many buckets ahead ZeRO-3 issues each gather (0: just before use).
     """
 
     dp: int = 1
@@ -38,6 +40,8 @@ class Plan:
     split_points: dict[str, str] | None = field(default=None, hash=False)
     tp_plan: Any = "auto"
     sequence_parallel: bool = False
+    bucket_mb: float | None = None
+    prefetch: int = 1
 
     def __post_init__(self):
         for name in ("dp", "pp", "tp"):
@@ -48,6 +52,8 @@ class Plan:
             raise PlanError(f"Plan.zero={self.zero!r}: ZeRO stage must be 0, 1, 2 or 3")
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise PlanError(f"Plan.microbatches={self.microbatches!r}: must be an integer >= 1")
+        if self.prefetch < 0 or (self.bucket_mb is not None and self.bucket_mb < 0):
+            raise PlanError(f"Plan.prefetch={self.prefetch!r}, bucket_mb={self.bucket_mb!r}: must be >= 0")
         if self.virtual_stages is not None and (not isinstance(self.virtual_stages, int) or self.virtual_stages < 1):
             raise PlanError(f"Plan.virtual_stages={self.virtual_stages!r}: must be an integer >= 1")
         for fqn, where in (self.split_points or {}).items():
@@ -76,6 +82,11 @@ class Plan:
             value = value.strip()
             if key == "sequence_parallel":
                 kwargs[key] = value.lower() in ("1", "true", "yes", "on")
+            elif key == "bucket_mb":
+                try:
+                    kwargs[key] = float(value)
+                except ValueError:
+                    raise PlanError(f"plan: bucket_mb={value!r} is not a number") from None
             else:
                 kwargs[key] = value if key == "schedule" else _int(key, value)
         return cls(**kwargs)

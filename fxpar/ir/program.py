@@ -12,6 +12,7 @@ Parameter identity is the canonical FQN. Tied parameters (``lm_head.weight`` is
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -241,3 +242,13 @@ def subgraphs_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[torch.fx
             if isinstance(sub, torch.fx.GraphModule):
                 subs.append(sub)
     return subs
+
+
+_LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+def layer_of(fqn: str) -> str:
+    """The layer a module or parameter belongs to: ``model.layers.3.mlp.down_proj.weight`` ->
+    ``model.layers.3``; names outside a numbered container keep their first two components."""
+    m = _LAYER.match(fqn)
+    return m.group(1) if m else ".".join(fqn.split(".")[:2]) or "<root>"

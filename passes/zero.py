@@ -1,0 +1,124 @@
+"""ZeRO-3 as a graph pass: parameters live sharded over the data-parallel ranks and are gathered where
+the graph first uses them.
+
+Reads: a pipeline stage's GraphModule, whose parameters are ``get_attr`` nodes under their FQNs.
+Writes: per bucket (a layer's parameters by default; consecutive layers merged up to ``bucket_bytes``)
+one flat shard parameter ``_zero3.<i>`` on the module (this rank's 1/dp of the bucket, padded), one
+``torch.ops.fxpar.gather_params`` node (all-gather forward; reduce-scatter of the gradient backward)
+and per parameter a slice + view of the gathered bucket replacing its ``get_attr``. The gather is
+placed ``prefetch`` buckets ahead of its first use (0: just before it), so it can be issued while the
+previous bucket computes. Buffers stay whole. The runtime frees the gathered bucket after its last
+forward use and gathers it again for backward (``fxpar.runtime.data_parallel.regather_for_backward``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx
+
+from fxpar.ir.program import layer_of
+from fxpar.runtime import ops as fxops
+
+aten = torch.ops.aten
+
+
+class Zero3Bucket:
+    """One bucket: parameter FQNs, shapes, offsets in the flat tensor, and this rank's shard."""
+
+    def __init__(self, names: list[str], tensors: list[torch.Tensor], dp: int, rank: int):
+        self.names = names
+        self.shapes = [tuple(t.shape) for t in tensors]
+        self.numels = [t.numel() for t in tensors]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(names))]
+        self.numel = sum(self.numels)
+        self.shard_numel = math.ceil(self.numel / dp)
+        flat = torch.zeros(self.shard_numel * dp, dtype=tensors[0].dtype, device=tensors[0].device)
+        for t, off, n in zip(tensors, self.offsets, self.numels):
+            flat[off:off + n] = t.detach().reshape(-1)
+        self.shard = torch.nn.Parameter(flat[rank * self.shard_numel:(rank + 1) * self.shard_numel].clone(),
+                                        requires_grad=any(t.requires_grad for t in tensors))
+
+    def unflatten(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {n: full[o:o + k].view(s) for n, o, k, s in zip(self.names, self.offsets, self.numels, self.shapes)}
+
+
+def buckets_of(names: list[str], tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    """Parameters in first-use order, grouped by layer, consecutive layers merged while under
+    ``bucket_bytes`` (0: one bucket per layer). Parameters of different dtypes never share a bucket."""
+    groups: list[list[str]] = []
+    for name in names:
+        if groups and (layer_of(groups[-1][-1]) == layer_of(name)
+                       and tensors[groups[-1][-1]].dtype == tensors[name].dtype):
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    merged: list[list[str]] = []
+    for g in groups:
+        size = sum(tensors[n].numel() * tensors[n].element_size() for n in g)
+        if merged and bucket_bytes and tensors[merged[-1][-1]].dtype == tensors[g[0]].dtype and \
+                sum(tensors[n].numel() * tensors[n].element_size() for n in merged[-1]) + size <= bucket_bytes:
+            merged[-1].extend(g)
+        else:
+            merged.append(list(g))
+    return merged
+
+
+def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, group: str = "dp",
+          bucket_bytes: int = 0, prefetch: int = 1,
+          cache: dict[tuple, Zero3Bucket] | None = None) -> list[Zero3Bucket]:
+    """Rewrite ``gm`` (a stage) so its parameters ``params`` (FQNs) are gathered from dp shards.
+
+    ``cache``: buckets from another signature of the same stage (training and inference share shards).
+    Returns the stage's buckets; their ``shard`` parameters are what the optimizer updates."""
+    cache = {} if cache is None else cache
+    graph = gm.graph
+    getters = {n.target: n for n in graph.nodes if n.op == "get_attr" and n.target in set(params)}
+    order = [n.target for n in graph.nodes if n.op == "get_attr" and n.target in getters]
+    tensors = {name: gm.get_parameter(name) for name in order}
+    trainable = [n for n in order if tensors[n].requires_grad]
+    buckets = []
+    gathers: list[torch.fx.Node] = []
+    for i, names in enumerate(buckets_of(trainable, tensors, bucket_bytes)):
+        key = tuple(names)
+        bucket = cache.get(key)
+        if bucket is None:
+            bucket = cache[key] = Zero3Bucket(names, [tensors[n] for n in names], dp, rank)
+        buckets.append(bucket)
+        attr = f"_zero3_{len(buckets) - 1}"
+        gm.register_parameter(attr, bucket.shard)
+        first_use = min((u for n in names for u in getters[n].users), key=_position(graph))
+        anchor = gathers[-prefetch] if prefetch and len(gathers) >= prefetch else None
+        with graph.inserting_before(first_use if anchor is None else anchor.next):
+            shard = graph.get_attr(attr)
+            full = graph.call_function(fxops.gather_params_op(), (shard, group, 0))
+            full.meta["fxpar.zero3_bucket"] = key
+        gathers.append(full)
+        with graph.inserting_after(full):
+            cursor = full
+            for name, off, k, shape in zip(names, bucket.offsets, bucket.numels, bucket.shapes):
+                with graph.inserting_after(cursor):
+                    piece = graph.call_function(aten.slice.Tensor, (full, 0, off, off + k))
+                with graph.inserting_after(piece):
+                    view = graph.call_function(aten.view.default, (piece, list(shape)))
+                cursor = view
+                getters[name].replace_all_uses_with(view)
+                graph.erase_node(getters[name])
+                _delete_param(gm, name)
+    graph.lint()
+    gm.recompile()
+    return buckets
+
+
+def _position(graph: torch.fx.Graph):
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return lambda n: index[n]
+
+
+def _delete_param(gm: torch.nn.Module, fqn: str) -> None:
+    *path, leaf = fqn.split(".")
+    mod = gm
+    for p in path:
+        mod = getattr(mod, p)
+    delattr(mod, leaf)

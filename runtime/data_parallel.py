@@ -1,0 +1,238 @@
+"""Data parallelism and ZeRO stages 1-2 for the parameters one rank holds, and ZeRO-3's regathering.
+
+Every data-parallel rank runs the same stages on its slice of the global batch; the loss of each
+microbatch is already weighted by its share of the global batch's tokens, so gradients are *summed*
+over the dp group (no division).
+
+* zero=0 (DDP): gradients are flattened into buckets (in the order backward produces them, up to
+  ``bucket_bytes``) and each bucket is all-reduced asynchronously as soon as all of its gradients are
+  final, while backward still runs. When a gradient is final is learned in the first step (how many
+  times autograd accumulates into each parameter per step, which depends on microbatches and
+  schedule); the first step reduces after backward.
+* zero=1: the same reductions; each rank's optimizer holds only its shard of every bucket (a flat fp32
+  parameter, so optimizer states are 1/dp), updates it, and the updated shards are all-gathered
+  back into the parameters.
+* zero=2: as zero=1, but each bucket is reduce-scattered and the full gradients are freed as soon as
+  the bucket is launched: gradients held are 1/dp too.
+* zero=3: parameters are shards already (``fxpar.passes.zero``); the gathers' backward reduce-scatters
+  the gradients, so the optimizer steps the shards directly. ``regather_for_backward`` makes autograd
+  keep a handle to each gathered bucket instead of the bucket itself, and gather it again in backward.
+
+Flat shards work only for optimizers whose update is elementwise per parameter entry (SGD, Adam,
+AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam): ZeRO refuses others before any communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fxpar.ir.errors import PlanError
+from fxpar.runtime import ops as fxops
+from fxpar.runtime.groups import resolve_group
+
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                          torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, zero: int) -> None:
+    if zero and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        raise PlanError(f"ZeRO-{zero} shards optimizer states as flat slices, which is exact only for optimizers "
+                        f"that update each entry on its own; {type(optimizer).__name__} is not one of "
+                        f"{[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}: use zero=0 or one of those")
+
+
+class _Bucket:
+    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], dp: int, rank: int):
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
+        self.numel = sum(self.numels)
+        self.shard_numel = math.ceil(self.numel / dp)
+        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        self.work = None  # the async collective in flight
+        self.flat: torch.Tensor | None = None
+        self.shard: torch.nn.Parameter | None = None
+
+    def flatten(self, grads: bool, dp: int) -> torch.Tensor:
+        p0 = self.params[0]
+        flat = torch.zeros(self.shard_numel * dp, dtype=p0.dtype, device=p0.device)
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            src = p.grad if grads else p.data
+            if src is not None:
+                flat[off:off + n] = src.reshape(-1)
+        return flat
+
+    def scatter_into(self, flat: torch.Tensor, grads: bool) -> None:
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            piece = flat[off:off + n].view_as(p)
+            if grads:
+                p.grad = piece.clone()
+            else:
+                p.data.copy_(piece)
+
+
+class DataParallelEngine:
+    """Gradient synchronisation and the optimizer step over one dp group, for this rank's parameters."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], optimizer_factory, *, dp: int,
+                 rank: int, zero: int, group: str = "dp", bucket_bytes: int = 25 * 2**20, overlap: bool = True):
+        self.dp, self.rank, self.zero, self.group = dp, rank, zero, group
+        self.overlap = overlap
+        named = [(n, p) for n, p in named_params if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.buckets: list[_Bucket] = []
+        if zero < 3:
+            current: list = []
+            size = 0
+            for name, p in reversed(named):  # backward makes the last layers' gradients first
+                if current and (size + p.numel() * p.element_size() > bucket_bytes or p.dtype != current[0][1].dtype):
+                    self.buckets.append(_Bucket(current, dp, rank))
+                    current, size = [], 0
+                current.append((name, p))
+                size += p.numel() * p.element_size()
+            if current:
+                self.buckets.append(_Bucket(current, dp, rank))
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        if zero in (1, 2):
+            for b in self.buckets:
+                b.shard = torch.nn.Parameter(b.flatten(False, dp)[b.lo:b.hi].float().clone())
+            self.optimizer = optimizer_factory([b.shard for b in self.buckets]) if self.buckets else None
+        else:
+            self.optimizer = optimizer_factory(self.params) if self.params else None
+        if self.optimizer is not None:
+            check_optimizer(self.optimizer, zero)
+        self.counts: dict[int, int] = {}
+        self.expected: dict[int, int] | None = None
+        self.hooks = []
+        if zero < 3 and dp > 1:
+            for p in self.params:
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ---- during backward --------------------------------------------------------------------------
+    def start_step(self) -> None:
+        self.counts = {id(p): 0 for p in self.params}
+        for b in self.buckets:
+            b.work, b.flat = None, None
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self.counts[id(p)] = self.counts.get(id(p), 0) + 1
+        if not self.overlap or self.expected is None:
+            return
+        b = self.bucket_of[id(p)]
+        if b.work is None and all(self.counts.get(id(q), 0) >= self.expected.get(id(q), 1) for q in b.params):
+            self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        b.flat = b.flatten(True, self.dp)
+        b.work = dist.all_reduce(b.flat, group=resolve_group(self.group), async_op=True)
+        if self.zero == 2:  # the bucket holds the gradients now; the full ones go
+            for p in b.params:
+                p.grad = None
+
+    # ---- after backward ---------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Wait for (or issue) every bucket's reduction and leave each gradient where the optimizer reads it."""
+        if self.dp == 1 or self.zero == 3:
+            return
+        if self.expected is None:
+            self.expected = dict(self.counts)
+        for b in self.buckets:
+            if b.work is None:
+                self._launch(b)
+        for b in self.buckets:
+            b.work.wait()
+            if self.zero == 0:
+                b.scatter_into(b.flat, grads=True)
+            else:  # gloo has no reduce-scatter: the all-reduced bucket, sliced (NCCL would scatter)
+                b.shard.grad = b.flat[b.lo:b.hi].float().clone()
+                if self.zero == 1:
+                    b.scatter_into(b.flat, grads=True)
+            b.work, b.flat = None, None
+
+    def step(self) -> None:
+        self.finish()
+        if self.optimizer is None:
+            return
+        self.optimizer.step()
+        if self.zero in (1, 2):
+            pg = resolve_group(self.group)
+            for b in self.buckets:
+                full = torch.empty(b.shard_numel * self.dp, dtype=b.shard.dtype, device=b.shard.device)
+                dist.all_gather_into_tensor(full, b.shard.detach(), group=pg)
+                b.scatter_into(full.to(b.params[0].dtype), grads=False)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for b in self.buckets:
+            if b.shard is not None:
+                b.shard.grad = None
+
+    # ---- reading ----------------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer states (now)."""
+        seen = set()
+
+        def nbytes(ts):
+            total = 0
+            for t in ts:
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+            return total
+        shards = [b.shard for b in self.buckets if b.shard is not None]
+        states = [v for s in (self.optimizer.state.values() if self.optimizer else []) for v in s.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"params": nbytes(self.params) + nbytes(shards),
+                "grads": nbytes([p.grad for p in self.params]) + nbytes([s.grad for s in shards]),
+                "optimizer": nbytes(states)}
+
+
+@contextlib.contextmanager
+def regather_for_backward():
+    """While a ZeRO-3 forward runs: autograd saves a handle for every tensor that lives in a gathered
+    bucket, and gathers the bucket again when backward needs it; the gathered forward copy is freed
+    after its last forward use. The regathered bucket is kept while backward works through it."""
+    # storage pointer of a gathered bucket -> (weak ref to its storage, (shard, group, dim)); the weak
+    # ref tells a live bucket from a later tensor that happens to reuse a freed bucket's address
+    buckets: dict[int, tuple] = {}
+    regathered: dict[int, torch.Tensor] = {}
+
+    def observe(out, shard, group, dim):
+        buckets[out.untyped_storage().data_ptr()] = (StorageWeakRef(out.untyped_storage()), (shard, group, dim))
+
+    def pack(t: torch.Tensor):
+        if t.device.type == "meta" or not buckets:
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        entry = buckets.get(ptr)
+        if entry is None:
+            return t
+        if entry[0].expired():
+            del buckets[ptr]
+            return t
+        return ("zero3", ptr, entry[1], t.storage_offset(), tuple(t.shape), t.stride())
+
+    def unpack(saved):
+        if not (isinstance(saved, tuple) and saved and saved[0] == "zero3"):
+            return saved
+        _, ptr, (shard, group, dim), offset, shape, stride = saved
+        if ptr not in regathered:
+            regathered.clear()  # backward has moved on to another bucket
+            with torch.no_grad():
+                regathered[ptr] = fxops.gather_params(shard.detach(), group, dim)
+        return regathered[ptr].as_strided(shape, stride, offset)
+
+    previous = fxops.param_gather_observer
+    fxops.param_gather_observer = observe
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        fxops.param_gather_observer = previous
