@@ -94,6 +94,9 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
             shard = graph.get_attr(attr)
             full = graph.call_function(fxops.gather_params_op(), (shard, group, 0))
             full.meta["fxpar.zero3_bucket"] = key
+        # shapes on the new nodes (meta tensors), as every other node carries them
+        shard.meta["val"] = torch.empty_like(bucket.shard, device="meta")
+        full.meta["val"] = torch.empty(bucket.shard_numel * dp, dtype=bucket.shard.dtype, device="meta")
         gathers.append(full)
         with graph.inserting_after(full):
             cursor = full
@@ -102,6 +105,11 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
                     piece = graph.call_function(aten.slice.Tensor, (full, 0, off, off + k))
                 with graph.inserting_after(piece):
                     view = graph.call_function(aten.view.default, (piece, list(shape)))
+                piece.meta["val"] = torch.empty(k, dtype=bucket.shard.dtype, device="meta")
+                view.meta["val"] = torch.empty(shape, dtype=bucket.shard.dtype, device="meta")
+                for m in ("fxpar.module", "nn_module_stack"):
+                    if m in getters[name].meta:
+                        view.meta[m] = getters[name].meta[m]
                 cursor = view
                 getters[name].replace_all_uses_with(view)
                 graph.erase_node(getters[name])

@@ -107,6 +107,7 @@ class DataParallelEngine:
             self.optimizer = optimizer_factory(self.params) if self.params else None
         if self.optimizer is not None:
             check_optimizer(self.optimizer, zero)
+        self.comm: dict[str, int] = {"all_reduce": 0, "all_gather": 0}  # payload bytes in the last step
         self.counts: dict[int, int] = {}
         self.expected: dict[int, int] | None = None
         self.hooks = []
@@ -117,6 +118,7 @@ class DataParallelEngine:
     # ---- during backward --------------------------------------------------------------------------
     def start_step(self) -> None:
         self.counts = {id(p): 0 for p in self.params}
+        self.comm = dict.fromkeys(self.comm, 0)
         for b in self.buckets:
             b.work, b.flat = None, None
 
@@ -131,6 +133,7 @@ class DataParallelEngine:
     def _launch(self, b: _Bucket) -> None:
         b.flat = b.flatten(True, self.dp)
         b.work = dist.all_reduce(b.flat, group=resolve_group(self.group), async_op=True)
+        self.comm["all_reduce"] += b.flat.numel() * b.flat.element_size()
         if self.zero == 2:  # the bucket holds the gradients now; the full ones go
             for p in b.params:
                 p.grad = None
@@ -165,6 +168,7 @@ class DataParallelEngine:
             for b in self.buckets:
                 full = torch.empty(b.shard_numel * self.dp, dtype=b.shard.dtype, device=b.shard.device)
                 dist.all_gather_into_tensor(full, b.shard.detach(), group=pg)
+                self.comm["all_gather"] += full.numel() * full.element_size()
                 b.scatter_into(full.to(b.params[0].dtype), grads=False)
 
     def zero_grad(self) -> None:
