@@ -48,7 +48,7 @@ def _adamw(params):
 
 def _batch(batch: int, seq: int) -> dict:
     ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
-    return {"input_ids": ids, "labels": ids.clone()}
+    return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
 
 
 class Fxpar:
@@ -70,7 +70,7 @@ class Torch:
     def __init__(self, kind: str, batch: dict):
         rank, world = dist.get_rank(), dist.get_world_size()
         n = batch["input_ids"].shape[0] // world
-        self.local = {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+        self.local = {k: v[rank * n:(rank + 1) * n] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         model = _model()
         if kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel

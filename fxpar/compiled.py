@@ -38,7 +38,7 @@ from fxpar.passes.tensor_parallel import tensor_parallel, unshard
 from fxpar.passes.zero import zero3
 from fxpar.runtime import ops as fxops
 from fxpar.runtime import schedules as sched
-from fxpar.runtime.data_parallel import DataParallelEngine, regather_for_backward
+from fxpar.runtime.data_parallel import DataParallelEngine, check_optimizer, regather_for_backward
 from fxpar.runtime.pipeline import PipelineRuntime
 from fxpar.weights import WeightSource
 
@@ -147,6 +147,8 @@ class CompiledModel:
             raise PlanError(f"plan dp={plan.dp} x pp={plan.pp} x tp={plan.tp} needs {plan.world_size} ranks, but the "
                             f"world has {self.world}; launch with torchrun --nproc_per_node {plan.world_size} or "
                             "change the degrees")
+        if plan.zero and optimizer is not None:  # refuse an optimizer ZeRO cannot shard before any work
+            check_optimizer(optimizer([torch.nn.Parameter(torch.zeros(1))]), plan.zero)
         if plan.zero >= 2 and plan.pp > 1:
             warnings.warn(f"ZeRO-{plan.zero} with pipeline parallelism gathers or reduces parameters once per "
                           "microbatch; ZeRO-1 is the usual choice with pp > 1", stacklevel=3)

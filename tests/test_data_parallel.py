@@ -109,3 +109,42 @@ def test_communication_volume_and_memory_per_rank(pool4):
         assert held <= 1.1 * total / 4 + z3["largest_bucket"], (measured, total)
         assert abs(held - sum(predicted.values())) <= 0.05 * held, (measured, predicted)
         assert sum(r[0]["memory"]["measured"].values()) >= 0.95 * total  # DDP holds everything
+
+
+def bad_plans() -> list[str]:
+    model = zoo.build("llama")
+    batch = zoo.example_inputs("llama", model, batch=4, seq=8)
+    errors = []
+    for plan, kwargs in [("dp=3", {}), ("dp=2,zero=1", {"optimizer": lambda ps: torch.optim.LBFGS(ps)}),
+                         ("dp=2", {"example_kwargs": zoo.example_inputs("llama", model, batch=3, seq=8)})]:
+        try:
+            fxpar.compile(model, plan, **({"example_kwargs": batch, "optimizer": adamw} | kwargs))
+        except fxpar.PlanError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_bad_data_parallel_plans_fail_before_communicating(pool2):
+    for errors in pool2.run(bad_plans, timeout=60):
+        assert len(errors) == 3, errors
+        assert "dp=3 x pp=1 x tp=1 needs 3 ranks, but the world has 2" in errors[0]
+        assert "ZeRO-1 shards optimizer states" in errors[1] and "LBFGS" in errors[1]
+        assert "batch of 3 does not divide" in errors[2]
+
+
+def dp_report() -> str:
+    batch = zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=4, seq=8)
+    compiled = fxpar.compile(zoo.build("llama"), "dp=2,zero=3", example_kwargs=batch, optimizer=adamw, timeout=60)
+    compiled.step(**batch)
+    report = fxpar.inspect(compiled, quiet=True)
+    stage = fxpar.inspect(compiled, quiet=True).stage_graph(0)
+    return report.to_text() + "\n" + stage
+
+
+def test_inspection_shows_buckets_gathers_and_memory(pool2):
+    text = pool2.run(dp_report, timeout=60)[0]
+    layers = zoo.tiny_config("llama").num_hidden_layers
+    assert f"data parallel: dp=2, ZeRO-3, {layers + 3} buckets" in text
+    assert "bucket 1: 9 params from model.layers.0" in text  # a decoder layer: 7 linears and 2 norms
+    assert "memory per rank, measured" in text and "memory per rank, predicted" in text
+    assert text.count("fxpar.gather_params") == layers + 3

@@ -42,6 +42,39 @@ class Report:
     def collective_table(self) -> str:
         return format_collective_rows(self.collectives())
 
+    def data_parallel(self) -> dict:
+        """Buckets, communication per step and memory per rank of a data-parallel / ZeRO plan."""
+        c = self.compiled
+        if c is None or (c.plan.dp == 1 and not c.plan.zero):
+            return {}
+        if c.plan.zero == 3:
+            buckets = [{"stage": s, "params": len(b.names), "first": b.names[0], "bytes": b.shard_numel * c.dp *
+                        b.shard.element_size(), "shard_bytes": b.shard_numel * b.shard.element_size()}
+                       for s, bs in sorted(c._zero3_buckets.items()) for b in bs]
+            fwd = sum(b["bytes"] for b in buckets)
+            comm = {"all_gather (forward)": fwd, "all_gather (backward)": fwd, "reduce_scatter": fwd}
+        else:
+            e = c.engine
+            buckets = [{"params": len(b.names), "first": b.names[0],
+                        "bytes": b.shard_numel * c.dp * b.params[0].element_size(),
+                        "shard_bytes": b.shard_numel * 4 if b.shard is not None else 0} for b in e.buckets]
+            comm = {k: v for k, v in e.comm.items() if v}
+        return {"zero": c.plan.zero, "dp": c.dp, "buckets": buckets, "comm_bytes_per_microbatch_step": comm,
+                "memory": c.memory()}
+
+    def data_parallel_table(self) -> str:
+        d = self.data_parallel()
+        lines = [f"data parallel: dp={d['dp']}, ZeRO-{d['zero']}, {len(d['buckets'])} buckets"]
+        for i, b in enumerate(d["buckets"]):
+            lines.append(f"  bucket {i}: {b['params']} params from {b['first']}, {human(b['bytes'])}B"
+                         + (f", shard {human(b['shard_bytes'])}B" if b["shard_bytes"] else ""))
+        lines.append("communication per step: " + ", ".join(f"{k} {human(v)}B" for k, v in
+                                                            d["comm_bytes_per_microbatch_step"].items()))
+        mem = d["memory"]
+        for kind in ("measured", "predicted"):
+            lines.append(f"memory per rank, {kind}: " + ", ".join(f"{k} {human(v)}B" for k, v in mem[kind].items()))
+        return "\n".join(lines)
+
     def stage_graph(self, index: int) -> str:
         """The readable graph of pipeline stage ``index`` (parameters under their FQNs)."""
         return module_text(self.compiled.pipeline.stages[index].gm)
@@ -73,6 +106,8 @@ class Report:
                      f"{self.compiled.schedule_name}, {self.compiled.m} microbatches\n\n" + self.stage_table())
             if plan.tp > 1:
                 text += f"\n\ntensor parallel: tp={plan.tp}, collectives of this rank\n\n" + self.collective_table()
+            if plan.dp > 1 or plan.zero:
+                text += "\n\n" + self.data_parallel_table()
         return text
 
     def __str__(self) -> str:
@@ -99,7 +134,7 @@ class Report:
             "pictures": [str(x) for x in self.pictures],
             **({"plan": self.compiled.plan.to_dict(), "cuts": [list(c) for c in self.compiled.cuts],
                 "stages": self.stages, "predicted": getattr(self.compiled, "predicted", None),
-                "collectives": self.collectives()}
+                "collectives": self.collectives(), "data_parallel": self.data_parallel()}
                if self.compiled is not None else {}),
         }
 
