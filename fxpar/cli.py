@@ -8,6 +8,11 @@ Examples::
     fxpar inspect gpt2 --json > gpt2.json       # the same data for machines
     fxpar inspect qwen2 --dot out/qwen2.dot     # DOT picture (and SVG where graphviz is installed)
     fxpar zoo                                   # the built-in tiny models
+    fxpar plan llama --plan dp=2,pp=2,tp=2,zero=1 # what a plan does on 8 ranks: stages, collectives, memory
+    torchrun --nproc_per_node 8 -m fxpar train llama --plan dp=2,pp=2,tp=2,zero=1 --steps 5
+    torchrun --nproc_per_node 2 -m fxpar train config.json --meta --plan pp=2 --data notes.txt \
+        --save ckpt --save-every 50 --export out/
+    torchrun --nproc_per_node 4 -m fxpar train llama --plan dp=4 --resume ckpt   # load under another plan
 """
 
 from __future__ import annotations
@@ -91,6 +96,34 @@ def cmd_zoo(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from fxpar.train import run
+
+    return run(args)
+
+
+def cmd_plan(args) -> int:
+    """Compile on one process standing for rank 0 of the plan's world (torch's fake process group:
+    collectives do nothing), then print the plan's stage table, collectives and memory per rank."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fxpar
+
+    plan = fxpar.Plan.from_file(args.plan_file) if args.plan_file else fxpar.Plan.parse(args.plan)
+    model = load_model(args.model, meta=args.meta)
+    kwargs = example_kwargs(model, args.batch, args.seq)
+    dist.init_process_group("fake", rank=0, world_size=plan.world_size, store=FakeStore())
+    try:
+        compiled = fxpar.compile(model, plan, example_kwargs=kwargs,
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+        print(f"plan {plan.to_dict()} on {plan.world_size} ranks, mesh {compiled.mesh}; rank 0 shown")
+        print(fxpar.inspect(compiled, quiet=True).to_text())
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxpar", description="Trace, inspect and parallelise PyTorch models.",
                                      epilog="examples:" + EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,6 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
     z = sub.add_parser("zoo", help="list the built-in tiny models")
     z.set_defaults(func=cmd_zoo)
+    from fxpar.train import add_arguments
+
+    t = sub.add_parser("train", help="train under torchrun (see examples below)", epilog="examples:" + EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(t)
+    t.set_defaults(func=cmd_train)
+    q = sub.add_parser("plan", help="what a plan does (stages, collectives, memory) without launching",
+                       epilog="examples:" + EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("model")
+    q.add_argument("--plan", default="dp=1")
+    q.add_argument("--plan-file", default=None)
+    q.add_argument("--batch", type=int, default=8)
+    q.add_argument("--seq", type=int, default=32)
+    q.add_argument("--meta", action="store_true")
+    q.set_defaults(func=cmd_plan)
     return parser
 
 

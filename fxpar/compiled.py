@@ -179,13 +179,18 @@ class CompiledModel:
         self.weights = WeightSource(model, weights) if weights is not None else None
         self._loaded: dict[str, torch.Tensor] = {}  # FQN -> tensor materialised from ``weights``
         self.cuts: list[tuple[str, str]] | None = None
-        stride = plan.pp * plan.tp
-        if plan.tp > 1:  # the only collectives before tracing: every rank creates every TP and DP group
-            fxops.new_subgroups("tp", [[d * stride + p * plan.tp + t for t in range(plan.tp)]
-                                       for d in range(plan.dp) for p in range(plan.pp)])
-        if plan.dp > 1 or plan.zero:
-            fxops.new_subgroups("dp", [[d * stride + p * plan.tp + t for d in range(plan.dp)]
-                                       for p in range(plan.pp) for t in range(plan.tp)])
+        # the only collectives before tracing: the device mesh and its groups, made by every rank
+        self.mesh = None
+        self.dp_axis = "dp_shard" if plan.zero else "dp_replicate"
+        if self.world > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(self.device.type, (plan.dp, plan.pp, plan.tp),
+                                         mesh_dim_names=(self.dp_axis, "pp", "tp"))
+            fxops.register_group("tp", self.mesh.get_group("tp"))
+            fxops.register_group("dp", self.mesh.get_group(self.dp_axis))
+        elif plan.zero:
+            fxops.register_group("dp", size=1)
         self._zero3_cache: dict = {}
         self._zero3_buckets: dict[int, list] = {}  # stage -> its ZeRO-3 buckets (training signature)
         self.train = self._compile(example_args, example_kwargs, program)
@@ -311,11 +316,13 @@ class CompiledModel:
         groups = []
         for fqn, stages in sorted(pipeline.tied.items()):
             ranks = sorted({self.stage_to_rank[s] for s in stages})
-            if len(ranks) > 1:  # one group per TP rank, created by every rank in the same order
+            if len(ranks) > 1:  # one group per (DP replica, TP rank), made by every rank in the same order
                 mine = None
-                for t in range(self.tp):
-                    g = dist.new_group([r * self.tp + t for r in ranks])
-                    mine = g if t == self.tp_rank else mine
+                stride = self.plan.pp * self.tp
+                for d in range(self.dp):
+                    for t in range(self.tp):
+                        g = dist.new_group([d * stride + r * self.tp + t for r in ranks])
+                        mine = g if (d, t) == (self.dp_rank, self.tp_rank) else mine
                 groups.append((fqn, ranks, mine))
         return groups
 
@@ -479,7 +486,8 @@ class CompiledModel:
                                        torch.optim.RAdam)) else \
             1 if opt is not None and any(g.get("momentum", 0) for g in opt.param_groups) else 0
         z, dp = self.plan.zero, self.dp
-        predicted = {"params": 4 * n // (dp if z == 3 else 1), "grads": 4 * n // (dp if z >= 2 else 1),
+        predicted = {"params": 4 * n // dp if z == 3 else 4 * n + (4 * n // dp if z in (1, 2) else 0),  # + fp32 shard
+                     "grads": 4 * n // (dp if z >= 2 else 1),
                      "optimizer": 4 * states * n // (dp if z >= 1 else 1)}
         return {"measured": measured, "predicted": predicted}
 
