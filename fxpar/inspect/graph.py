@@ -162,14 +162,43 @@ def to_dot(program: Program, module: str | None = None, *, max_depth: int | None
     return "\n".join(lines)
 
 
-def write_picture(program: Program, path: str | Path, module: str | None = None, *,
-                  max_depth: int | None = None) -> list[Path]:
-    """Write ``path`` (.dot) and, when graphviz's ``dot`` is installed, the .svg beside it."""
+def partition_dot(stages: list[dict], collectives: list[dict], title: str) -> str:
+    """DOT of a partitioned program: one cluster per pipeline stage (its rank, parameters, predicted
+    times), one box per layer inside it with that layer's tensor-parallel collectives, and an edge per
+    stage boundary with the bytes it carries."""
+    per_layer = {r["layer"]: r for r in collectives}
+    lines = ["digraph partition {", "  rankdir=LR;", '  node [shape=box, fontsize=9, fontname="monospace"];',
+             f"  label={_dot_id(title)}; labelloc=t;"]
+    for st in stages:
+        i = st["stage"]
+        lines.append(f"  subgraph cluster_stage{i} {{")
+        label = f"stage {i} on pp rank {st['rank']}: {human(st['params'])} params"
+        lines.append(f"    label={_dot_id(label)}; style=filled; color=\"#e8eef8\";")
+        layers: list[str] = []
+        for m in st["modules"] or [st["from"]]:
+            layer = m if m in per_layer else next((k for k in per_layer if m.startswith(k + ".")), m)
+            if layer not in layers:
+                layers.append(layer)
+        for j, layer in enumerate(layers):
+            r = per_layer.get(layer)
+            comm = "" if r is None else "\\n" + ", ".join(f"{n} {k}" for k, n in sorted(r["forward"].items()))
+            lines.append(f"    s{i}_{j} [label={_dot_id(layer + comm)}];")
+        lines.append(f"    s{i}_in [shape=point]; s{i}_in -> s{i}_0 [style=invis];")
+        lines.append("  }")
+    for st in stages[:-1]:
+        i = st["stage"]
+        lines.append(f"  s{i}_in -> s{i + 1}_in [label={_dot_id(human(st['send_bytes'], 'B'))}, style=bold];")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def write_dot(text: str, path: str | Path) -> list[Path]:
+    """Write DOT text to ``path`` (.dot) and, when graphviz's ``dot`` is installed, the .svg beside it."""
     path = Path(path)
     if path.suffix != ".dot":
         path = path.with_suffix(".dot")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_dot(program, module, max_depth=max_depth))
+    path.write_text(text)
     written = [path]
     dot = shutil.which("dot")
     if dot:
@@ -177,3 +206,9 @@ def write_picture(program: Program, path: str | Path, module: str | None = None,
         subprocess.run([dot, "-Tsvg", str(path), "-o", str(svg)], check=True, timeout=300)
         written.append(svg)
     return written
+
+
+def write_picture(program: Program, path: str | Path, module: str | None = None, *,
+                  max_depth: int | None = None) -> list[Path]:
+    """Write ``path`` (.dot) and, when graphviz's ``dot`` is installed, the .svg beside it."""
+    return write_dot(to_dot(program, module, max_depth=max_depth), path)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxpar.inspect.collectives import collective_rows, format_collective_rows
-from fxpar.inspect.graph import graph_text, module_text, write_picture
+from fxpar.inspect.graph import graph_text, module_text, partition_dot, write_dot, write_picture
 from fxpar.inspect.stages import format_stage_table, stage_rows
 from fxpar.inspect.table import ModuleRow, format_rows, human, module_rows, select_rows
 from fxpar.ir import meta
@@ -74,6 +74,13 @@ class Report:
         for kind in ("measured", "predicted"):
             lines.append(f"memory per rank, {kind}: " + ", ".join(f"{k} {human(v)}B" for k, v in mem[kind].items()))
         return "\n".join(lines)
+
+    def write_partition_picture(self, path) -> list:
+        """A picture of the partitioned program: stages, their layers and collectives, the boundaries."""
+        c = self.compiled
+        title = f"{self.program.info.model_class or 'model'}: " + ", ".join(
+            f"{k}={getattr(c.plan, k)}" for k in ("dp", "pp", "tp", "zero")) + f", {c.schedule_name}"
+        return write_dot(partition_dot(self.stages, self.collectives(), title), path)
 
     def stage_graph(self, index: int) -> str:
         """The readable graph of pipeline stage ``index`` (parameters under their FQNs)."""
