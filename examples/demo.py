@@ -115,7 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="*", default=list(zoo.ZOO_NAMES))
     ap.add_argument("--out", default="out/demo")
-    a = ap.parse_args()
+    args = ap.parse_args()
     torch.manual_seed(0)
 
     print(f"fxpar {fxpar.__version__}  torch {torch.__version__}\n")
@@ -124,7 +124,7 @@ def main() -> None:
            f"{'|dloss|':>8s} {'|dlogits|':>9s} {'|dgrad|':>8s}"
     print(head + "\n" + "-" * len(head))
     results = {}
-    for name in a.models:
+    for name in args.models:
         r = check(name)
         results[name] = r
         print(f"{name:10s} {r['class']:34s} {r['ops']:5d} {r['params']:8d} {r['tied']:4d} "
@@ -132,10 +132,10 @@ def main() -> None:
     worst = max(max(r["dloss"], r["dlogits"], r["dgrad"]) for r in results.values())
     print(f"\n{len(results)} models traced; largest difference from eager: {worst:.1e}")
 
-    name = "llama" if "llama" in results else a.models[0]
+    name = "llama" if "llama" in results else args.models[0]
     program = results[name]["program"]
     print(f"\n2. module table of the tiny {name}\n")
-    report = fxpar.inspect(program, depth=3, picture=Path(a.out) / f"{name}.dot", quiet=True)
+    report = fxpar.inspect(program, depth=3, picture=Path(args.out) / f"{name}.dot", quiet=True)
     print(report.to_text())
     attn = next((m for m in report.rows if m.endswith("layers.0.self_attn")), None)
     if attn:
@@ -160,7 +160,7 @@ def main() -> None:
     plan = "dp=2,pp=2,tp=2,zero=1,microbatches=2"
     print(f"\n7. 3-D parallelism: the same model on 8 gloo processes, {plan}\n")
     with RankPool(8, timeout=600) as pool:
-        r = pool.run(three_d_rank, name, 5, plan, a.out)[0]
+        r = pool.run(three_d_rank, name, 5, plan, args.out)[0]
     print(f"device mesh: {r['mesh']}\npipeline:{r['text']}\n")
     for step, (x, y) in enumerate(zip(r["losses"], r["ref"])):
         print(f"step {step}: 3-D loss {x:.6f}   single process {y:.6f}   |diff| {abs(x - y):.1e}")

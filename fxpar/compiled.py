@@ -457,7 +457,7 @@ class CompiledModel:
                 if src is None:
                     src = torch.zeros_like(b.shard)
                 full = torch.empty(b.shard_numel * self.dp, dtype=src.dtype, device=src.device)
-                dist.all_gather_into_tensor(full, src.contiguous(), group=pg)
+                fxops.all_gather_single(full, src.contiguous(), group=pg)
                 for name, piece in b.unflatten(full).items():
                     p = program.tensor(name)
                     if grads:
@@ -487,7 +487,7 @@ class CompiledModel:
             1 if opt is not None and any(g.get("momentum", 0) for g in opt.param_groups) else 0
         z, dp = self.plan.zero, self.dp
         predicted = {"params": 4 * n // dp if z == 3 else 4 * n + (4 * n // dp if z in (1, 2) else 0),  # + fp32 shard
-                     "grads": 4 * n // (dp if z >= 2 else 1),
+                     "grads": 4 * n // dp if z >= 2 else 4 * n + (4 * n // dp if z == 1 else 0),
                      "optimizer": 4 * states * n // (dp if z >= 1 else 1)}
         return {"measured": measured, "predicted": predicted}
 

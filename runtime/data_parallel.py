@@ -167,7 +167,7 @@ class DataParallelEngine:
             pg = resolve_group(self.group)
             for b in self.buckets:
                 full = torch.empty(b.shard_numel * self.dp, dtype=b.shard.dtype, device=b.shard.device)
-                dist.all_gather_into_tensor(full, b.shard.detach(), group=pg)
+                fxops.all_gather_single(full, b.shard.detach(), group=pg)
                 self.comm["all_gather"] += full.numel() * full.element_size()
                 b.scatter_into(full.to(b.params[0].dtype), grads=False)
 

@@ -205,6 +205,7 @@ def _cross_check(op: str, group: str, pg, x: torch.Tensor) -> None:
 # is 2.6) call them all_gather_into_tensor / reduce_scatter_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = _all_gather_single  # torch's single-tensor all-gather under its current name
 
 
 def _copy(x: torch.Tensor) -> torch.Tensor:
