@@ -73,7 +73,12 @@ def run(args) -> int:
     compiled = fxpar.compile(model, plan, example_kwargs=batch, device=device, weights=weights,
                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr))
     if resume is not None and compiled.optimizer is not None:
-        checkpoint.load_optimizer(compiled, resume)
+        saved = checkpoint.info(resume)
+        if saved["plan"] == plan.to_dict() and saved["world"] == world:
+            checkpoint.load_optimizer(compiled, resume)
+        else:  # the weights reshard to any plan; the optimizer's shards belong to the plan they were saved under
+            say(f"checkpoint saved under {saved['plan']} on {saved['world']} ranks: weights loaded, the optimizer "
+                "state starts afresh")
     say(f"plan: {plan}  world {world}  device {device}")
     if rank == 0:
         report = fxpar.inspect(compiled, quiet=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -66,3 +67,39 @@ def test_bad_model_name_is_a_clear_error():
 def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "fxpar", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "fxpar inspect llama" in out.stdout
+
+
+def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_help_shows_train_plan_and_examples():
+    out = _run([sys.executable, "-m", "fxpar", "--help"]).stdout
+    assert "train" in out and "plan" in out and "torchrun --nproc_per_node 8 -m fxpar train" in out
+
+
+def test_plan_command_shows_stages_collectives_and_memory():
+    r = _run([sys.executable, "-m", "fxpar", "plan", "llama", "--plan", "dp=2,pp=2,tp=2,zero=1"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    for text in ("DeviceMesh((dp_shard=2, pp=2, tp=2)", "pipeline: pp=2, 2 stages", "tensor parallel: tp=2",
+                 "data parallel: dp=2, ZeRO-1", "memory per rank, predicted"):
+        assert text in r.stdout, (text, r.stdout[-3000:])
+
+
+@pytest.mark.slow
+def test_train_under_torchrun_saves_and_resumes_under_another_plan(tmp_path):
+    """`fxpar train` on 2 processes with pp=2 saving at step 2, then resumed with dp=2 from that checkpoint."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "-m", "fxpar", "train", "llama", "--batch", "4", "--seq", "16"]
+    first = _run(torchrun + ["--plan", "pp=2", "--steps", "2", "--save", str(tmp_path / "ckpt"), "--save-every", "2",
+                             "--export", str(tmp_path / "hf")])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "step 2/2  loss" in first.stdout and "tok/s" in first.stdout and "mem/rank" in first.stdout
+    assert (tmp_path / "hf" / "model.safetensors").exists()
+    second = _run(torchrun + ["--plan", "dp=2", "--steps", "4", "--resume", str(tmp_path / "ckpt")])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "optimizer state starts afresh" in second.stdout and "step 4/4" in second.stdout
+    third = _run(torchrun + ["--plan", "pp=2", "--steps", "4", "--resume", str(tmp_path / "ckpt")])
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "resuming from" in third.stdout and "afresh" not in third.stdout and "step 4/4" in third.stdout
