@@ -209,7 +209,7 @@ class CompiledModel:
                     unique.append((n, p))
             self.engine = DataParallelEngine(unique, optimizer, dp=plan.dp, rank=self.dp_rank, zero=plan.zero,
                                              bucket_bytes=int((plan.bucket_mb or 25) * 2**20),
-                                             overlap=not self._tied_groups)
+                                             overlap=not self._tied_groups, offload=plan.offload)
             self.optimizer = self.engine.optimizer
         else:
             self.optimizer = optimizer(mine) if optimizer is not None and mine else None

@@ -14,6 +14,9 @@ over the dp group (no division).
   back into the parameters.
 * zero=2: as zero=1, but each bucket is reduce-scattered and the full gradients are freed as soon as
   the bucket is launched: gradients held are 1/dp too.
+* ``offload`` (ZeRO-1/2): the fp32 shards and the optimizer states live in CPU memory (ZeRO-Offload);
+  each bucket's gradient shard is copied there, the optimizer steps on the CPU, and the updated shard
+  goes back to the device for the all-gather.
 * zero=3: parameters are shards already (``fxpar.passes.zero``); the gathers' backward reduce-scatters
   the gradients, so the optimizer steps the shards directly. ``regather_for_backward`` makes autograd
   keep a handle to each gathered bucket instead of the bucket itself, and gather it again in backward.
@@ -81,9 +84,14 @@ class DataParallelEngine:
     """Gradient synchronisation and the optimizer step over one dp group, for this rank's parameters."""
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], optimizer_factory, *, dp: int,
-                 rank: int, zero: int, group: str = "dp", bucket_bytes: int = 25 * 2**20, overlap: bool = True):
+                 rank: int, zero: int, group: str = "dp", bucket_bytes: int = 25 * 2**20, overlap: bool = True,
+                 offload: bool = False):
         self.dp, self.rank, self.zero, self.group = dp, rank, zero, group
         self.overlap = overlap
+        if offload and zero not in (1, 2):
+            raise PlanError(f"offload keeps ZeRO-1/2's fp32 shards and optimizer states in CPU memory; zero={zero} "
+                            "has none to offload: use zero=1 or zero=2")
+        self.home = torch.device("cpu") if offload else None  # where shards and optimizer states live
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in named]
         self.buckets: list[_Bucket] = []
@@ -101,7 +109,8 @@ class DataParallelEngine:
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         if zero in (1, 2):
             for b in self.buckets:
-                b.shard = torch.nn.Parameter(b.flatten(False, dp)[b.lo:b.hi].float().clone())
+                b.shard = torch.nn.Parameter(b.flatten(False, dp)[b.lo:b.hi].float().clone().to(self.home or
+                                                                                                b.params[0].device))
             self.optimizer = optimizer_factory([b.shard for b in self.buckets]) if self.buckets else None
         else:
             self.optimizer = optimizer_factory(self.params) if self.params else None
@@ -153,7 +162,7 @@ class DataParallelEngine:
             if self.zero == 0:
                 b.scatter_into(b.flat, grads=True)
             else:  # gloo has no reduce-scatter: the all-reduced bucket, sliced (NCCL would scatter)
-                b.shard.grad = b.flat[b.lo:b.hi].float().clone()
+                b.shard.grad = b.flat[b.lo:b.hi].float().to(b.shard.device, copy=True)
                 if self.zero == 1:
                     b.scatter_into(b.flat, grads=True)
             b.work, b.flat = None, None
@@ -166,8 +175,9 @@ class DataParallelEngine:
         if self.zero in (1, 2):
             pg = resolve_group(self.group)
             for b in self.buckets:
-                full = torch.empty(b.shard_numel * self.dp, dtype=b.shard.dtype, device=b.shard.device)
-                fxops.all_gather_single(full, b.shard.detach(), group=pg)
+                device = b.params[0].device  # gathered where the parameters live (back from CPU if offloaded)
+                full = torch.empty(b.shard_numel * self.dp, dtype=b.shard.dtype, device=device)
+                fxops.all_gather_single(full, b.shard.detach().to(device), group=pg)
                 self.comm["all_gather"] += full.numel() * full.element_size()
                 b.scatter_into(full.to(b.params[0].dtype), grads=False)
 

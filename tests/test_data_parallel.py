@@ -148,3 +148,24 @@ def test_inspection_shows_buckets_gathers_and_memory(pool2):
     assert "bucket 1: 9 params from model.layers.0" in text  # a decoder layer: 7 linears and 2 norms
     assert "memory per rank, measured" in text and "memory per rank, predicted" in text
     assert text.count("fxpar.gather_params") == layers + 3
+
+
+def offload_training() -> dict:
+    r = dp_training("llama", 2, zeros=(2,), plan_extra=",offload=true")
+    compiled = fxpar.compile(zoo.build("llama"), "dp=2,zero=2,offload=true",
+                             example_kwargs=zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=4, seq=8),
+                             optimizer=adamw, timeout=60)
+    r["devices"] = sorted({str(b.shard.device) for b in compiled.engine.buckets})
+    try:
+        fxpar.compile(zoo.build("llama"), "dp=2,zero=3,offload=true",
+                      example_kwargs=zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=4, seq=8),
+                      optimizer=adamw, timeout=60)
+    except fxpar.PlanError as e:
+        r["zero3_error"] = str(e)
+    return r
+
+
+def test_offload_keeps_shards_and_states_on_the_cpu(pool2):
+    for r in pool2.run(offload_training, timeout=200):
+        assert r[2]["loss"] <= TOL and r[2]["weights"] <= TOL, r
+        assert r["devices"] == ["cpu"] and "use zero=1 or zero=2" in r["zero3_error"]

@@ -27,7 +27,8 @@ class Plan:
     the cost-balanced ones. ``dp``, ``tp``, ``zero``, ``tp_plan`` and ``sequence_parallel`` are the data-
     and tensor-parallel degrees and options. ``bucket_mb``: gradient buckets of DDP / ZeRO-1/2 (default
     25 MB) and parameter buckets of ZeRO-3 (default: one per layer; consecutive layers merged up to
-    this size); ``prefetch``: how many buckets ahead ZeRO-3 issues each gather (0: just before use).
+    this size); ``prefetch``: how many buckets ahead ZeRO-3 issues each gather (0: just before use);
+    ``offload``: ZeRO-1/2 optimizer states and fp32 shards in CPU memory.
     """
 
     dp: int = 1
@@ -42,6 +43,7 @@ class Plan:
     sequence_parallel: bool = False
     bucket_mb: float | None = None
     prefetch: int = 1
+    offload: bool = False
 
     def __post_init__(self):
         for name in ("dp", "pp", "tp"):
@@ -52,6 +54,9 @@ class Plan:
             raise PlanError(f"Plan.zero={self.zero!r}: ZeRO stage must be 0, 1, 2 or 3")
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise PlanError(f"Plan.microbatches={self.microbatches!r}: must be an integer >= 1")
+        if self.offload and self.zero not in (1, 2):
+            raise PlanError(f"offload keeps ZeRO-1/2's fp32 shards and optimizer states in CPU memory; zero={self.zero} "
+                            "has none to offload: use zero=1 or zero=2")
         if self.prefetch < 0 or (self.bucket_mb is not None and self.bucket_mb < 0):
             raise PlanError(f"Plan.prefetch={self.prefetch!r}, bucket_mb={self.bucket_mb!r}: must be >= 0")
         if self.virtual_stages is not None and (not isinstance(self.virtual_stages, int) or self.virtual_stages < 1):
@@ -80,7 +85,7 @@ class Plan:
                                 f"{[k for k in known if k not in ('split_points', 'tp_plan')]} "
                                 "(split_points and tp_plan go in a plan file)")
             value = value.strip()
-            if key == "sequence_parallel":
+            if key in ("sequence_parallel", "offload"):
                 kwargs[key] = value.lower() in ("1", "true", "yes", "on")
             elif key == "bucket_mb":
                 try:
