@@ -258,12 +258,15 @@ class CompiledModel:
             for stage in pipeline.stages_of(self.pp_rank):
                 buckets = zero3(stage.gm, stage.params, self.dp, self.dp_rank, group="dp",
                                 bucket_bytes=int((self.plan.bucket_mb or 0) * 2**20),
-                                prefetch=self.plan.prefetch, cache=self._zero3_cache)
+                                prefetch=self.plan.prefetch, cache=self._zero3_cache,
+                                compute_dtype=torch.bfloat16 if self.plan.mixed_precision == "bf16" else None)
                 self._zero3_buckets.setdefault(stage.index, buckets)
         runtime = PipelineRuntime(pipeline, self.schedule, self.pp_rank, self.pp_ranks, None, self.device,
                                   self.timeout)
         if self.plan.zero == 3:
             runtime.forward_context = regather_for_backward
+        if self.plan.mixed_precision == "bf16":
+            runtime.autocast_dtype = torch.bfloat16
         compiled = _Compiled(program, pipeline, runtime)
         self._signatures[key] = compiled
         return compiled

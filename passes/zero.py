@@ -66,10 +66,12 @@ def buckets_of(names: list[str], tensors: dict[str, torch.Tensor], bucket_bytes:
 
 
 def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, group: str = "dp",
-          bucket_bytes: int = 0, prefetch: int = 1,
+          bucket_bytes: int = 0, prefetch: int = 1, compute_dtype: torch.dtype | None = None,
           cache: dict[tuple, Zero3Bucket] | None = None) -> list[Zero3Bucket]:
     """Rewrite ``gm`` (a stage) so its parameters ``params`` (FQNs) are gathered from dp shards.
 
+    ``compute_dtype``: gather (and compute with) parameters in this dtype, e.g. bf16 mixed precision;
+    the shards stay in their own dtype (fp32 master weights) and so do gradient reductions.
     ``cache``: buckets from another signature of the same stage (training and inference share shards).
     Returns the stage's buckets; their ``shard`` parameters are what the optimizer updates."""
     cache = {} if cache is None else cache
@@ -92,11 +94,12 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
         anchor = gathers[-prefetch] if prefetch and len(gathers) >= prefetch else None
         with graph.inserting_before(first_use if anchor is None else anchor.next):
             shard = graph.get_attr(attr)
-            full = graph.call_function(fxops.gather_params_op(), (shard, group, 0))
+            full = graph.call_function(fxops.gather_params_op(), (shard, group, 0, compute_dtype))
             full.meta["fxpar.zero3_bucket"] = key
         # shapes on the new nodes (meta tensors), as every other node carries them
         shard.meta["val"] = torch.empty_like(bucket.shard, device="meta")
-        full.meta["val"] = torch.empty(bucket.shard_numel * dp, dtype=bucket.shard.dtype, device="meta")
+        dtype = compute_dtype or bucket.shard.dtype
+        full.meta["val"] = torch.empty(bucket.shard_numel * dp, dtype=dtype, device="meta")
         gathers.append(full)
         with graph.inserting_after(full):
             cursor = full
@@ -105,8 +108,8 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
                     piece = graph.call_function(aten.slice.Tensor, (full, 0, off, off + k))
                 with graph.inserting_after(piece):
                     view = graph.call_function(aten.view.default, (piece, list(shape)))
-                piece.meta["val"] = torch.empty(k, dtype=bucket.shard.dtype, device="meta")
-                view.meta["val"] = torch.empty(shape, dtype=bucket.shard.dtype, device="meta")
+                piece.meta["val"] = torch.empty(k, dtype=dtype, device="meta")
+                view.meta["val"] = torch.empty(shape, dtype=dtype, device="meta")
                 for m in ("fxpar.module", "nn_module_stack"):
                     if m in getters[name].meta:
                         view.meta[m] = getters[name].meta[m]

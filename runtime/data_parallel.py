@@ -218,8 +218,8 @@ def regather_for_backward():
     buckets: dict[int, tuple] = {}
     regathered: dict[int, torch.Tensor] = {}
 
-    def observe(out, shard, group, dim):
-        buckets[out.untyped_storage().data_ptr()] = (StorageWeakRef(out.untyped_storage()), (shard, group, dim))
+    def observe(out, shard, group, dim, dtype):
+        buckets[out.untyped_storage().data_ptr()] = (StorageWeakRef(out.untyped_storage()), (shard, group, dim, dtype))
 
     def pack(t: torch.Tensor):
         if t.device.type == "meta" or not buckets:
@@ -236,11 +236,11 @@ def regather_for_backward():
     def unpack(saved):
         if not (isinstance(saved, tuple) and saved and saved[0] == "zero3"):
             return saved
-        _, ptr, (shard, group, dim), offset, shape, stride = saved
+        _, ptr, (shard, group, dim, dtype), offset, shape, stride = saved
         if ptr not in regathered:
             regathered.clear()  # backward has moved on to another bucket
             with torch.no_grad():
-                regathered[ptr] = fxops.gather_params(shard.detach(), group, dim)
+                regathered[ptr] = fxops.gather_params(shard.detach(), group, dim, dtype)
         return regathered[ptr].as_strided(shape, stride, offset)
 
     previous = fxops.param_gather_observer

@@ -277,12 +277,14 @@ param_gather_observer = None
 
 
 @torch.library.custom_op("fxpar::gather_params", mutates_args=())
-def gather_params(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
-    """ZeRO-3: this rank's shard of a flat parameter bucket, gathered to the full bucket along ``dim``.
-    Backward: reduce-scatter of the gradient (each rank keeps the summed gradient of its shard)."""
-    out = _gather_impl("gather_params", x, group, dim)
+def gather_params(x: torch.Tensor, group: str, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """ZeRO-3: this rank's shard of a flat parameter bucket, gathered to the full bucket along ``dim``
+    (cast to ``dtype`` first when given: mixed precision communicates and computes in bf16).
+    Backward: reduce-scatter of the gradient in the shard's own dtype (fp32 master weights: fp32
+    reductions), each rank keeping the summed gradient of its shard."""
+    out = _gather_impl("gather_params", x if dtype is None else x.to(dtype), group, dim)
     if param_gather_observer is not None:
-        param_gather_observer(out, x, group, dim)
+        param_gather_observer(out, x, group, dim, dtype)
     return out
 
 
@@ -369,7 +371,10 @@ def _gather_fake(op: str):
 
 all_gather.register_fake(_gather_fake("all_gather"))
 all_gather_rs_bwd.register_fake(_gather_fake("all_gather_rs_bwd"))
-gather_params.register_fake(_gather_fake("gather_params"))
+@gather_params.register_fake
+def _gather_params_fake(x, group, dim, dtype=None):
+    out = _gather_fake("gather_params")(x, group, dim)
+    return out if dtype is None else out.to(dtype)
 
 
 def _scatter_fake(op: str):
@@ -424,7 +429,15 @@ all_reduce.register_autograd(_all_reduce_bwd, setup_context=_save_all_reduce)
 identity_fwd_all_reduce_bwd.register_autograd(_identity_bwd, setup_context=_identity_save)
 all_gather.register_autograd(_backward_with(scatter_slice), setup_context=_save_group_dim)
 all_gather_rs_bwd.register_autograd(_backward_with(reduce_scatter), setup_context=_save_group_dim)
-gather_params.register_autograd(_backward_with(reduce_scatter), setup_context=_save_group_dim)
+def _gather_params_save(ctx, inputs, output):
+    ctx.group, ctx.dim, ctx.dtype = inputs[1], inputs[2], inputs[0].dtype
+
+
+def _gather_params_bwd(ctx, grad):
+    return reduce_scatter(grad.to(ctx.dtype), ctx.group, ctx.dim), None, None, None
+
+
+gather_params.register_autograd(_gather_params_bwd, setup_context=_gather_params_save)
 reduce_scatter.register_autograd(_backward_with(all_gather), setup_context=_save_group_dim)
 scatter_slice.register_autograd(_backward_with(all_gather), setup_context=_save_group_dim)
 

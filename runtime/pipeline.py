@@ -129,6 +129,7 @@ class PipelineRuntime:
         self.global_ranks, self.group, self.timeout = global_ranks, group, timeout
         self.stages = {s.index: s for s in pprog.stages_of(me)}
         self.forward_context = contextlib.nullcontext  # wraps each training forward (ZeRO-3 sets one)
+        self.autocast_dtype: torch.dtype | None = None  # mixed precision: forwards run under torch.autocast
         # (stage, output) -> how many stages on this rank read it
         self.local_readers: dict[tuple[int, int], int] = defaultdict(int)
         for s in self.stages.values():
@@ -173,7 +174,9 @@ class PipelineRuntime:
                     if need and train:
                         v = v.detach().requires_grad_(True)
                     args.append(v)
-                with torch.set_grad_enabled(train), (self.forward_context() if train else contextlib.nullcontext()):
+                with torch.set_grad_enabled(train), (self.forward_context() if train else contextlib.nullcontext()), \
+                        (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
+                         else contextlib.nullcontext()):
                     outs = spec.gm(*args)
                 for i, (o, cons) in enumerate(zip(outs, spec.consumers)):
                     for dst in sorted({self.rank_of[c] for c in cons}):

@@ -28,7 +28,9 @@ class Plan:
     and tensor-parallel degrees and options. ``bucket_mb``: gradient buckets of DDP / ZeRO-1/2 (default
     25 MB) and parameter buckets of ZeRO-3 (default: one per layer; consecutive layers merged up to
     this size); ``prefetch``: how many buckets ahead ZeRO-3 issues each gather (0: just before use);
-    ``offload``: ZeRO-1/2 optimizer states and fp32 shards in CPU memory.
+    ``offload``: ZeRO-1/2 optimizer states and fp32 shards in CPU memory; ``mixed_precision="bf16"``:
+    forwards under bf16 autocast, ZeRO-3 gathers parameters in bf16, master weights, gradients and
+    their reductions stay fp32.
     """
 
     dp: int = 1
@@ -44,6 +46,7 @@ class Plan:
     bucket_mb: float | None = None
     prefetch: int = 1
     offload: bool = False
+    mixed_precision: str | None = None
 
     def __post_init__(self):
         for name in ("dp", "pp", "tp"):
@@ -54,6 +57,8 @@ class Plan:
             raise PlanError(f"Plan.zero={self.zero!r}: ZeRO stage must be 0, 1, 2 or 3")
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise PlanError(f"Plan.microbatches={self.microbatches!r}: must be an integer >= 1")
+        if self.mixed_precision not in (None, "bf16"):
+            raise PlanError(f"Plan.mixed_precision={self.mixed_precision!r}: use 'bf16' or leave it out")
         if self.offload and self.zero not in (1, 2):
             raise PlanError(f"offload keeps ZeRO-1/2's fp32 shards and optimizer states in CPU memory; zero={self.zero} "
                             "has none to offload: use zero=1 or zero=2")
@@ -93,7 +98,7 @@ class Plan:
                 except ValueError:
                     raise PlanError(f"plan: bucket_mb={value!r} is not a number") from None
             else:
-                kwargs[key] = value if key == "schedule" else _int(key, value)
+                kwargs[key] = value if key in ("schedule", "mixed_precision") else _int(key, value)
         return cls(**kwargs)
 
     @classmethod
