@@ -118,6 +118,15 @@ def _flat_kwarg_names(program: Program) -> list[str]:
     return names
 
 
+def _drop_dtype_asserts(gm: torch.fx.GraphModule) -> None:
+    """Remove export's ``_assert_tensor_metadata`` checks (dtypes seen at trace time): under autocast
+    the same values are bf16. They compute nothing."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
 def _retarget_device(gms: list[torch.fx.GraphModule], device: torch.device) -> None:
     """A graph traced on the meta device names it in factory calls (``arange(..., device=meta)``):
     point those at the device the materialised tensors live on."""
@@ -267,6 +276,8 @@ class CompiledModel:
             runtime.forward_context = regather_for_backward
         if self.plan.mixed_precision == "bf16":
             runtime.autocast_dtype = torch.bfloat16
+            for stage in pipeline.stages_of(self.pp_rank):  # the trace asserted fp32 where autocast gives bf16
+                _drop_dtype_asserts(stage.gm)
         compiled = _Compiled(program, pipeline, runtime)
         self._signatures[key] = compiled
         return compiled
