@@ -24,11 +24,12 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import transformers
+
+from fxpar.testing.timing import timed
 
 MODEL_CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -102,14 +103,6 @@ class Torch:
         return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * 4 for t in ts)
 
 
-def _timed(fn):
-    dist.barrier()
-    t0 = time.perf_counter()
-    out = fn()
-    dist.barrier()
-    return time.perf_counter() - t0, out
-
-
 def bench_rank(steps: int, warmup: int, batch_size: int, seq: int) -> dict:
     torch.set_num_threads(1)
     batch = _batch(batch_size, seq)
@@ -120,7 +113,7 @@ def bench_rank(steps: int, warmup: int, batch_size: int, seq: int) -> dict:
     names = list(runners)
     for i in range(warmup + steps):
         for name in (names if i % 2 == 0 else names[::-1]):
-            dt, loss = _timed(runners[name].step)
+            dt, loss = timed(runners[name].step)
             losses[name].append(loss)
             if i >= warmup:
                 times[name].append(dt)

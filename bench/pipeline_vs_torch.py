@@ -37,6 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 
+from fxpar.testing.timing import timed
+
 MODEL_CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                     tie_word_embeddings=False)
@@ -142,14 +144,6 @@ class TorchRunner:
         return loss.item()
 
 
-def _timed(fn) -> tuple[float, float]:
-    dist.barrier()
-    t0 = time.perf_counter()
-    out = fn()
-    dist.barrier()
-    return time.perf_counter() - t0, out
-
-
 def bench_rank(schedule: str, steps: int, warmup: int, batch_size: int, seq: int, microbatches: int) -> dict:
     """On every rank: build both, check the first losses agree, then time alternating steps."""
     torch.set_num_threads(1)
@@ -160,7 +154,7 @@ def bench_rank(schedule: str, steps: int, warmup: int, batch_size: int, seq: int
     pair = ((fx, fx_times, fx_losses), (th, th_times, th_losses))
     for i in range(warmup + steps):
         for runner, times, losses in (pair if i % 2 == 0 else pair[::-1]):  # neither always goes first
-            dt, loss = _timed(runner.step)
+            dt, loss = timed(runner.step)
             losses.append(loss)
             if i >= warmup:
                 times.append(dt)

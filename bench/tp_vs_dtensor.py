@@ -28,7 +28,8 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
+
+from fxpar.testing.timing import timed
 
 ARGS = dict(n_layers=4, vocab_size=2048, max_seq_len=128, dim=256, n_heads=8)
 LR = 1e-3
@@ -79,14 +80,6 @@ class DTensorRunner:
         return loss.item()
 
 
-def _timed(fn) -> tuple[float, float]:
-    dist.barrier()
-    t0 = time.perf_counter()
-    out = fn()
-    dist.barrier()
-    return time.perf_counter() - t0, out
-
-
 def bench_rank(tp: int, steps: int, warmup: int, batch_size: int) -> dict:
     from fxpar.testing import peers
 
@@ -98,7 +91,7 @@ def bench_rank(tp: int, steps: int, warmup: int, batch_size: int) -> dict:
     pair = (("fxpar", fx), ("dtensor", dt))
     for i in range(warmup + steps):
         for name, runner in (pair if i % 2 == 0 else pair[::-1]):
-            dt_s, loss = _timed(runner.step)
+            dt_s, loss = timed(runner.step)
             losses[name].append(loss)
             if i >= warmup:
                 times[name].append(dt_s)

@@ -236,10 +236,10 @@ class CompiledModel:
         mb_args, mb_kwargs = pytree.tree_unflatten(mb, spec)
         if program is None:
             program = trace(self.model, mb_args, mb_kwargs, frontend=self.frontend)
-        elif program.root is not self.model or _traced_batch(program) != self.batch // self.m:
+        elif program.root is not self.model or _traced_batch(program) != self.batch // (self.m * self.dp):
             raise PlanError(f"the program passed to compile must be fxpar.trace of this model on one microbatch "
-                            f"({self.batch // self.m} of the batch of {self.batch}); it was traced on "
-                            f"{_traced_batch(program)}")
+                            f"({self.batch // (self.m * self.dp)} of the batch of {self.batch}: {self.m} microbatches "
+                            f"x dp={self.dp}); it was traced on {_traced_batch(program)}")
         if self.cuts is None:
             if self.plan.split_points:
                 self.cuts = resolve_split_points(program, self.plan.split_points)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -121,8 +122,23 @@ class DataParallelEngine:
         self.expected: dict[int, int] | None = None
         self.hooks = []
         if zero < 3 and dp > 1:
+            me = weakref.ref(self)  # the hooks must not keep an engine alive (a model compiled again)
+
+            def on_grad(p, me=me):
+                engine = me()
+                if engine is not None:
+                    engine._on_grad(p)
             for p in self.params:
-                self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self.hooks.append(p.register_post_accumulate_grad_hook(on_grad))
+
+    def close(self) -> None:
+        """Remove the gradient hooks from the parameters (also done when the engine is collected)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    def __del__(self):
+        self.close()
 
     # ---- during backward --------------------------------------------------------------------------
     def start_step(self) -> None:

@@ -89,7 +89,8 @@ def test_plan_command_shows_stages_collectives_and_memory():
 
 @pytest.mark.slow
 def test_train_under_torchrun_saves_and_resumes_under_another_plan(tmp_path):
-    """`fxpar train` on 2 processes with pp=2 saving at step 2, then resumed with dp=2 from that checkpoint."""
+    """`fxpar train` on 2 processes with pp=2 saving at step 2, then resumed with dp=2 from that checkpoint
+    (same-plan resumption, optimizer included, is tests/test_composition.py's)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 "-m", "fxpar", "train", "llama", "--batch", "4", "--seq", "16"]
     first = _run(torchrun + ["--plan", "pp=2", "--steps", "2", "--save", str(tmp_path / "ckpt"), "--save-every", "2",
@@ -100,6 +101,4 @@ def test_train_under_torchrun_saves_and_resumes_under_another_plan(tmp_path):
     second = _run(torchrun + ["--plan", "dp=2", "--steps", "4", "--resume", str(tmp_path / "ckpt")])
     assert second.returncode == 0, second.stderr[-3000:]
     assert "optimizer state starts afresh" in second.stdout and "step 4/4" in second.stdout
-    third = _run(torchrun + ["--plan", "pp=2", "--steps", "4", "--resume", str(tmp_path / "ckpt")])
-    assert third.returncode == 0, third.stderr[-3000:]
-    assert "resuming from" in third.stdout and "afresh" not in third.stdout and "step 4/4" in third.stdout
+    assert "resuming from" in second.stdout

@@ -17,6 +17,7 @@ import transformers
 import fxpar
 from fxpar import checkpoint
 from fxpar.testing import multiproc, zoo
+from fxpar.testing.compare import train_against_reference
 
 TOL = 1e-5
 pool8 = multiproc.rank_pool(8)
@@ -30,19 +31,8 @@ def adamw(params):
 def three_d(name: str, plan: str, batch_size: int, steps: int = 5) -> dict:
     batch = zoo.example_inputs(name, zoo.tiny_config(name), batch=batch_size, seq=8)
     compiled = fxpar.compile(zoo.build(name, seed=0), plan, example_kwargs=batch, optimizer=adamw, timeout=120)
-    ref = zoo.build(name, seed=0)
-    ref_opt = adamw(ref.parameters())
-    loss_diff = weight_diff = 0.0
-    for _ in range(steps):
-        loss = compiled.step(**batch)
-        ref_opt.zero_grad()
-        ref_loss = ref(**batch).loss
-        ref_loss.backward()
-        ref_opt.step()
-        loss_diff = max(loss_diff, abs(loss.item() - ref_loss.item()))
-        state = compiled.full_state_dict()
-        weight_diff = max(weight_diff, max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items()))
-    return {"loss": loss_diff, "weights": weight_diff, "mesh": str(compiled.mesh)}
+    diffs = train_against_reference(compiled, zoo.build(name, seed=0), adamw, batch, steps)
+    return {**diffs, "mesh": str(compiled.mesh)}
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import fxpar
 from fxpar.runtime import ops as fxops
 from fxpar.testing import multiproc, zoo
+from fxpar.testing.compare import train_against_reference
 
 TOL = 1e-5
 STEPS = 5
@@ -31,22 +32,16 @@ def dp_training(name: str, dp: int, zeros: tuple = (0, 1, 2, 3), plan_extra: str
     global batch; the worst loss and parameter differences over all steps."""
     out = {}
     batch = zoo.example_inputs(name, zoo.tiny_config(name), batch=2 * dp, seq=8)
+    model = zoo.build(name, seed=0)  # one model and one trace for every stage of ZeRO
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    program = fxpar.trace(model, example_kwargs={k: v[:2] if isinstance(v, torch.Tensor) else v
+                                                 for k, v in batch.items()})
     for zero in zeros:
-        compiled = fxpar.compile(zoo.build(name, seed=0), f"dp={dp},zero={zero}{plan_extra}", example_kwargs=batch,
-                                 optimizer=adamw, timeout=60)
-        ref = zoo.build(name, seed=0)
-        ref_opt = adamw(ref.parameters())
-        loss_diff = weight_diff = 0.0
-        for _ in range(STEPS):
-            loss = compiled.step(**batch)
-            ref_opt.zero_grad()
-            ref_loss = ref(**batch).loss
-            ref_loss.backward()
-            ref_opt.step()
-            loss_diff = max(loss_diff, abs(loss.item() - ref_loss.item()))
-            state = compiled.full_state_dict()
-            weight_diff = max(weight_diff, max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items()))
-        out[zero] = {"loss": loss_diff, "weights": weight_diff, "memory": compiled.memory()}
+        model.load_state_dict(initial)
+        compiled = fxpar.compile(model, f"dp={dp},zero={zero}{plan_extra}", example_kwargs=batch,
+                                 optimizer=adamw, timeout=60, program=program)
+        diffs = train_against_reference(compiled, zoo.build(name, seed=0), adamw, batch, STEPS)
+        out[zero] = {**diffs, "memory": compiled.memory()}
     dist.barrier()
     return out
 

@@ -436,3 +436,31 @@ def reference_step(
         raise ValueError(f"reference_step: the loss must be a scalar tensor, got {type(loss).__name__}")
     loss.backward()
     return loss.detach(), grads_by_fqn(model)
+
+
+def train_against_reference(compiled, reference: torch.nn.Module, optimizer: Callable, batch: dict,
+                            steps: int, *, grads: bool = False, every_step: bool = True) -> dict[str, float]:
+    """``steps`` training steps of a compiled model next to a single-process ``reference`` (same initial
+    weights) on the same batch; the worst loss difference and the worst parameter difference (the
+    compiled model's gathered ``full_state_dict`` after every step), and with ``grads`` the worst
+    difference of every gathered gradient. ``every_step=False`` compares the parameters after the last
+    step only (with ``grads``, every step's gradients already pin each update down)."""
+    ref_opt = optimizer(reference.parameters())
+    out = {"loss": 0.0, "weights": 0.0, **({"grad": 0.0} if grads else {})}
+    for i in range(steps):
+        loss = compiled.step(**batch)
+        ref_opt.zero_grad()
+        ref_loss = reference(**batch).loss
+        ref_loss.backward()
+        if grads:
+            got = compiled.full_state_dict(grads=True)
+            for k, p in reference.named_parameters(remove_duplicate=False):
+                out["grad"] = max(out["grad"], (got[k] - p.grad).abs().max().item())
+        ref_opt.step()
+        out["loss"] = max(out["loss"], abs(loss.item() - ref_loss.item()))
+        if not every_step and i < steps - 1:
+            continue
+        state = compiled.full_state_dict()
+        out["weights"] = max(out["weights"], max((state[k] - v).abs().max().item()
+                                                 for k, v in reference.state_dict().items()))
+    return out
