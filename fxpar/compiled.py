@@ -1,12 +1,15 @@
 """``fxpar.compile``: trace, plan, split and run a model as a distributed program on every rank.
 
 Every rank calls ``compile`` with the same model (or a meta-device one with the same structure), the
-same plan and example inputs, and then ``step``/``__call__`` with the same full batch: only the stages
-a rank runs read it (the first stage its input ids, the last its labels), so no input travels.
+same plan and example inputs, and then ``step``/``__call__`` with the same full (global) batch: each
+data-parallel replica takes its slice, and only the stages a rank runs read it (the first stage its
+input ids, the last its labels), so no input travels.
 
-Order of work in ``compile``, all before any communication: validate the plan against the world and
-the batch; trace one microbatch; choose cuts; place stages on ranks; build the schedule. Then the
-only collective: process groups for parameters shared between stages on different ranks.
+Order of work in ``compile``: validate the plan against the world, the batch and the optimizer, and
+build the schedule, all before any communication; then the device mesh ``(dp, pp, tp)`` and its groups;
+trace one microbatch; tensor-parallel pass; cuts and pipeline split; weights for meta models; ZeRO-3
+pass; then process groups for parameters shared between stages on different ranks, and the
+data-parallel engine.
 """
 
 from __future__ import annotations
@@ -156,12 +159,13 @@ class CompiledModel:
             raise PlanError(f"plan dp={plan.dp} x pp={plan.pp} x tp={plan.tp} needs {plan.world_size} ranks, but the "
                             f"world has {self.world}; launch with torchrun --nproc_per_node {plan.world_size} or "
                             "change the degrees")
+        if (plan.dp > 1 or plan.zero) and optimizer is None:
+            raise PlanError("data parallelism and ZeRO need the optimizer: pass optimizer=lambda params: ...")
         if plan.zero and optimizer is not None:  # refuse an optimizer ZeRO cannot shard before any work
             check_optimizer(optimizer([torch.nn.Parameter(torch.zeros(1))]), plan.zero)
         if plan.zero >= 2 and plan.pp > 1:
             warnings.warn(f"ZeRO-{plan.zero} with pipeline parallelism gathers or reduces parameters once per "
                           "microbatch; ZeRO-1 is the usual choice with pp > 1", stacklevel=3)
-        # ranks: TP innermost (it stays within a node), then PP: rank = pp_rank * tp + tp_rank
         # ranks: TP innermost, then PP, then DP: rank = (dp_rank * pp + pp_rank) * tp + tp_rank
         self.tp, self.dp = plan.tp, plan.dp
         self.tp_rank, self.pp_rank = self.rank % plan.tp, (self.rank // plan.tp) % plan.pp
@@ -207,9 +211,11 @@ class CompiledModel:
         mine = self._my_parameters(self.train.pipeline)
         # a rank whose stages hold no parameter (possible with tiny models) has nothing to optimise
         self.engine = None
+        if plan.zero == 3 and self._tied_groups:
+            raise PlanError(f"ZeRO-3 shards each stage's parameters on their own, so weights tied across pipeline "
+                            f"ranks ({[g[0] for g in self._tied_groups]}) would drift apart; use zero=1 or 2 with "
+                            "this plan, or place the tied layers on one pipeline rank")
         if plan.dp > 1 or plan.zero:
-            if optimizer is None:
-                raise PlanError("data parallelism and ZeRO need the optimizer: pass optimizer=lambda params: ...")
             named = [(n, p) for s in self.train.pipeline.stages_of(self.pp_rank) for n, p in s.gm.named_parameters()]
             seen, unique = set(), []
             for n, p in named:
