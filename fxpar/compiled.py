@@ -164,8 +164,10 @@ class CompiledModel:
         if plan.zero and optimizer is not None:  # refuse an optimizer ZeRO cannot shard before any work
             check_optimizer(optimizer([torch.nn.Parameter(torch.zeros(1))]), plan.zero)
         if plan.zero >= 2 and plan.pp > 1:
-            warnings.warn(f"ZeRO-{plan.zero} with pipeline parallelism gathers or reduces parameters once per "
-                          "microbatch; ZeRO-1 is the usual choice with pp > 1", stacklevel=3)
+            cost = ("gathers every parameter bucket again for each microbatch's forward and backward" if plan.zero == 3
+                    else "holds full gradients while the microbatches accumulate (its saving starts after the last)")
+            warnings.warn(f"ZeRO-{plan.zero} with pipeline parallelism {cost}; ZeRO-1 is the usual choice with "
+                          "pp > 1", stacklevel=3)
         # ranks: TP innermost, then PP, then DP: rank = (dp_rank * pp + pp_rank) * tp + tp_rank
         self.tp, self.dp = plan.tp, plan.dp
         self.tp_rank, self.pp_rank = self.rank % plan.tp, (self.rank // plan.tp) % plan.pp

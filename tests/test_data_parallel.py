@@ -10,7 +10,7 @@ import torch.distributed as dist
 import fxpar
 from fxpar.runtime import ops as fxops
 from fxpar.testing import multiproc, zoo
-from fxpar.testing.compare import train_against_reference
+from fxpar.testing.compare import compare_trajectory, reference_trajectory
 
 TOL = 1e-5
 STEPS = 5
@@ -36,11 +36,12 @@ def dp_training(name: str, dp: int, zeros: tuple = (0, 1, 2, 3), plan_extra: str
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     program = fxpar.trace(model, example_kwargs={k: v[:2] if isinstance(v, torch.Tensor) else v
                                                  for k, v in batch.items()})
+    trajectory = reference_trajectory(zoo.build(name, seed=0), adamw, batch, STEPS)  # one run for every stage
     for zero in zeros:
         model.load_state_dict(initial)
         compiled = fxpar.compile(model, f"dp={dp},zero={zero}{plan_extra}", example_kwargs=batch,
                                  optimizer=adamw, timeout=60, program=program)
-        diffs = train_against_reference(compiled, zoo.build(name, seed=0), adamw, batch, STEPS)
+        diffs = compare_trajectory(compiled, trajectory, batch)
         out[zero] = {**diffs, "memory": compiled.memory()}
     dist.barrier()
     return out

@@ -464,3 +464,30 @@ def train_against_reference(compiled, reference: torch.nn.Module, optimizer: Cal
         out["weights"] = max(out["weights"], max((state[k] - v).abs().max().item()
                                                  for k, v in reference.state_dict().items()))
     return out
+
+
+def reference_trajectory(reference: torch.nn.Module, optimizer: Callable, batch: dict,
+                         steps: int) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    """A single-process run's (loss, parameters after the step) for each of ``steps`` steps, to compare
+    several compiled plans against one reference run (:func:`compare_trajectory`)."""
+    opt = optimizer(reference.parameters())
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = reference(**batch).loss
+        loss.backward()
+        opt.step()
+        out.append((loss.item(), {k: v.detach().clone() for k, v in reference.state_dict().items()}))
+    return out
+
+
+def compare_trajectory(compiled, trajectory: list, batch: dict) -> dict[str, float]:
+    """Train ``compiled`` as many steps as ``trajectory`` has; worst loss and parameter differences."""
+    out = {"loss": 0.0, "weights": 0.0}
+    for ref_loss, ref_state in trajectory:
+        loss = compiled.step(**batch)
+        out["loss"] = max(out["loss"], abs(loss.item() - ref_loss))
+        state = compiled.full_state_dict()
+        out["weights"] = max(out["weights"], max((state[k] - v).abs().max().item() for k, v in ref_state.items()))
+    return out
+
