@@ -481,13 +481,16 @@ def reference_trajectory(reference: torch.nn.Module, optimizer: Callable, batch:
     return out
 
 
-def compare_trajectory(compiled, trajectory: list, batch: dict) -> dict[str, float]:
-    """Train ``compiled`` as many steps as ``trajectory`` has; worst loss and parameter differences."""
+def compare_trajectory(compiled, trajectory: list, batch: dict, *, local: bool = False) -> dict[str, float]:
+    """Train ``compiled`` as many steps as ``trajectory`` has; worst loss and parameter differences.
+    ``local``: every rank holds whole parameters (data parallelism without TP, PP or ZeRO-3), so each
+    step compares the rank's own parameters and only the last step gathers ``full_state_dict``."""
     out = {"loss": 0.0, "weights": 0.0}
-    for ref_loss, ref_state in trajectory:
+    for i, (ref_loss, ref_state) in enumerate(trajectory):
         loss = compiled.step(**batch)
         out["loss"] = max(out["loss"], abs(loss.item() - ref_loss))
-        state = compiled.full_state_dict()
+        last = i == len(trajectory) - 1
+        state = compiled.model.state_dict() if local and not last else compiled.full_state_dict()
         out["weights"] = max(out["weights"], max((state[k] - v).abs().max().item() for k, v in ref_state.items()))
     return out
 
