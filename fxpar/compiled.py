@@ -218,13 +218,7 @@ class CompiledModel:
                             f"ranks ({[g[0] for g in self._tied_groups]}) would drift apart; use zero=1 or 2 with "
                             "this plan, or place the tied layers on one pipeline rank")
         if plan.dp > 1 or plan.zero:
-            named = [(n, p) for s in self.train.pipeline.stages_of(self.pp_rank) for n, p in s.gm.named_parameters()]
-            seen, unique = set(), []
-            for n, p in named:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    unique.append((n, p))
-            self.engine = DataParallelEngine(unique, optimizer, dp=plan.dp, rank=self.dp_rank, zero=plan.zero,
+            self.engine = DataParallelEngine(self._my_named_parameters(self.train.pipeline), optimizer, dp=plan.dp, rank=self.dp_rank, zero=plan.zero,
                                              bucket_bytes=int((plan.bucket_mb or 25) * 2**20),
                                              overlap=not self._tied_groups, offload=plan.offload)
             self.optimizer = self.engine.optimizer
@@ -324,14 +318,18 @@ class CompiledModel:
                              {"F": f, "B": b, "I": [x / 2 for x in b], "W": [x / 2 for x in b]}, comm=comm)
         self.predicted = {"step_time": sim.makespan, "bubble": sim.bubble, "device": self.device_model.name}
 
-    def _my_parameters(self, pipeline: PipelineProgram) -> list[torch.nn.Parameter]:
+    def _my_named_parameters(self, pipeline: PipelineProgram) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name in its stage, parameter) for the stages this rank runs, each parameter once."""
         seen, out = set(), []
         for stage in pipeline.stages_of(self.pp_rank):
-            for p in stage.gm.parameters():
+            for n, p in stage.gm.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    out.append(p)
+                    out.append((n, p))
         return out
+
+    def _my_parameters(self, pipeline: PipelineProgram) -> list[torch.nn.Parameter]:
+        return [p for _, p in self._my_named_parameters(pipeline)]
 
     def _make_tied_groups(self, pipeline: PipelineProgram) -> list[tuple[str, list[int], object]]:
         """Process groups summing gradients of parameters held by stages on different ranks."""
