@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import fxpar
-from fxpar.testing import zoo
+from fxpar import zoo
 from fxpar.testing.compare import grads_by_fqn, max_abs_diff_tree
 
 
@@ -61,7 +61,7 @@ def pipeline_rank(name: str, steps: int, plan: str = "pp=2,microbatches=4,schedu
     """On each of 2 ranks: compile for the plan and train; rank 0 also trains the single-process reference."""
     import torch.distributed as dist
 
-    from fxpar.runtime.ops import count_collectives
+    from fxpar.ir.ops import count_collectives
 
     model = zoo.build(name, seed=0)
     batch = zoo.example_inputs(name, model, batch=8, seq=16)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.testing import zoo
+from fxpar import zoo
 
 
 def main() -> None:

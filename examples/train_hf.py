@@ -7,7 +7,7 @@
 
 import sys
 
-from fxpar.train import main
+from fxpar.cli.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,12 +4,12 @@ The public face (re-exports only): :func:`trace`, :func:`compile`, :func:`inspec
 :class:`Program`.
 """
 
-from fxpar.api import trace
-from fxpar.compiled import CompiledModel, compile
-from fxpar.inspect.report import inspect
+from fxpar.api import compile, trace
 from fxpar.ir.errors import FxparError, PlanError, TraceError
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
+from fxpar.report.report import inspect
+from fxpar.runtime.model import CompiledModel
 
 __all__ = ["trace", "compile", "inspect", "Plan", "Program", "CompiledModel", "FxparError", "TraceError",
            "PlanError"]

@@ -1,14 +1,38 @@
-"""The public entry points; the one place that wires frontends, passes, cost model and inspection."""
+"""The public entry points ``trace`` and ``compile``: the one place that wires frontends, feasibility
+checks, the mesh and its groups, the pass list, the cost model and the runtime.
+
+``compile`` in order: the plan's checks (``fxpar.planner.feasibility``, before any communication), the
+schedule, the device mesh and its process groups (the first communication), then a build callback the
+runtime calls once per input signature: trace one microbatch, choose the cuts (first signature), run
+the pass list (``fxpar.passes``), predict stage times (``fxpar.cost.predict``).
+"""
 
 from __future__ import annotations
 
-import torch
+import os
 
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from fxpar import passes
+from fxpar.cost.device import H100, DeviceModel
 from fxpar.cost.flops import annotate_costs
+from fxpar.cost.partition import balanced_cuts, resolve_split_points
+from fxpar.cost.predict import annotate_stages, memory_per_rank
 from fxpar.frontend.export import capture_export
 from fxpar.frontend.lower import program_from_exported
+from fxpar.ir.batch import batch_size, split_batch
 from fxpar.ir.errors import TraceError
+from fxpar.ir.mesh import MeshSpec
+from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
+from fxpar.ir.schedule import build_schedule
+from fxpar.ir.stage import CompileResult
+from fxpar.planner import feasibility
+from fxpar.runtime.groups import mesh_groups
+from fxpar.runtime.model import CompiledModel
+from fxpar.weights import WeightSource
 
 FRONTENDS = ("auto", "export", "hf_fx")
 
@@ -59,3 +83,103 @@ def trace(model: torch.nn.Module, example_args: tuple = (), example_kwargs: dict
     program = program_from_exported(ep, model, frontend=used)
     annotate_costs(program)
     return program
+
+
+class _Builder:
+    """Compiles one input signature for this rank: trace one microbatch, cut, run the passes, predict."""
+
+    def __init__(self, model, plan: Plan, mesh: MeshSpec, setup, actions, device, device_model: DeviceModel,
+                 frontend: str, weights: WeightSource | None):
+        self.model, self.plan, self.mesh, self.setup, self.actions = model, plan, mesh, setup, actions
+        self.device, self.device_model, self.frontend, self.weights = device, device_model, frontend, weights
+        self.on_meta = any(p.is_meta for p in model.parameters())
+        self.cuts: list[tuple[str, str]] | None = None
+        self.shared: dict = {}  # tensors every signature shares (TP shards, ZeRO-3 shards, loaded weights)
+
+    def _load(self, fqns, layout, like):
+        return self.weights.load(fqns, layout, like)
+
+    def __call__(self, flat: list, spec, program: Program | None = None) -> CompileResult:
+        plan, setup = self.plan, self.setup
+        mb = split_batch(flat, setup.batch, setup.microbatches * plan.dp)[0]
+        if self.on_meta:  # a meta model is traced on meta inputs
+            mb = [v.to("meta") if isinstance(v, torch.Tensor) else v for v in mb]
+        if program is None:
+            program = trace(self.model, *pytree.tree_unflatten(mb, spec), frontend=self.frontend)
+        else:
+            feasibility.check_program(program, self.model, setup)
+        if self.cuts is None:
+            if plan.split_points:
+                self.cuts = resolve_split_points(program, plan.split_points)
+                feasibility.check_split_points(self.cuts, plan, setup.n_stages)
+            else:
+                self.cuts = balanced_cuts(program, setup.n_stages, self.device_model)
+        ctx = passes.PassContext(plan, self.mesh, self.device, cuts=self.cuts, stage_to_rank=list(setup.stage_to_rank),
+                                 load=self._load if self.weights is not None else None, traced_on_meta=self.on_meta,
+                                 shared=self.shared)
+        local, pipeline = passes.run(program, ctx)
+        if self.weights is not None:
+            self.weights.done()
+        feasibility.check_zero3_ties(plan, feasibility.tied_across_ranks(pipeline, setup.stage_to_rank))
+        predicted = annotate_stages(program, pipeline, self.cuts, self.device_model, self.actions,
+                                    list(setup.stage_to_rank))
+        return CompileResult(program, local, pipeline, ctx.out.tp, ctx.out.zero3_buckets, predicted, ctx.out.timings)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
+            *, optimizer=None, device=None, device_model: DeviceModel = H100, frontend: str = "auto",
+            timeout: float | None = None, program: Program | None = None, weights=None) -> CompiledModel:
+    """Compile ``model`` for ``plan`` on this rank (call it on every rank with the same arguments).
+
+    ``example_kwargs`` is one full batch (labels included for training); ``optimizer`` a factory
+    ``params -> torch.optim.Optimizer`` applied to the parameters this rank holds. ``timeout``: seconds a
+    rank waits for a peer before failing with a message that names it (default 300, or
+    ``FXPAR_TIMEOUT``). ``program``: an ``fxpar.trace`` of ``model`` on one microbatch, to compile one
+    trace for several plans without tracing again. ``weights``: for a model built on the meta device,
+    where each rank's shards come from: a state dict with the model's FQNs, safetensors path(s), or
+    ``"init"`` (the model's initialiser); see :mod:`fxpar.weights`.
+    """
+    plan = Plan.parse(plan) if isinstance(plan, str) else plan
+    world, rank = _world()
+    feasibility.check_world(plan, world)
+    return _compile(model, plan, MeshSpec.for_plan(plan, rank), example_args, example_kwargs, optimizer=optimizer,
+                    device=device, device_model=device_model, frontend=frontend, timeout=timeout, program=program,
+                    weights=weights, dry=False)
+
+
+def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
+          *, rank: int = 0, optimizer=None, device_model: DeviceModel = H100, frontend: str = "auto",
+          weights=None) -> CompiledModel:
+    """What ``plan`` does on rank ``rank`` of its world, built on this one process without any process
+    group: stages, placements, collectives, buckets, memory and predicted times (``fxpar.inspect`` reads
+    them). The result cannot run; ``step`` and ``__call__`` raise."""
+    plan = Plan.parse(plan) if isinstance(plan, str) else plan
+    mesh = MeshSpec.for_plan(plan, rank)
+    return _compile(model, plan, mesh, example_args, example_kwargs, optimizer=optimizer, device=None,
+                    device_model=device_model, frontend=frontend, timeout=None, program=None, weights=weights,
+                    dry=True)
+
+
+def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *, optimizer, device, device_model,
+             frontend, timeout, program, weights, dry: bool) -> CompiledModel:
+    example_kwargs = dict(example_kwargs or {})
+    timeout = float(timeout if timeout is not None else os.environ.get("FXPAR_TIMEOUT", 300))
+    feasibility.check_optimizer_factory(plan, optimizer)
+    feasibility.warn_zero_with_pipeline(plan)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    flat, _ = pytree.tree_flatten((tuple(example_args), example_kwargs))
+    setup = feasibility.pipeline_setup(plan, batch_size(flat))
+    actions = build_schedule(setup.schedule, plan.pp, setup.microbatches, setup.n_stages)
+    source = WeightSource(model, weights, rank=mesh.tp_rank) if weights is not None else None
+    dp_axis = "dp_shard" if plan.zero else "dp_replicate"
+    device_mesh = None if dry or mesh.world_size == 1 else mesh_groups(mesh, device.type, dp_axis)  # communicates
+    builder = _Builder(model, plan, mesh, setup, actions, device, device_model, frontend, source)
+    return CompiledModel(builder, model, plan, mesh, setup, actions, example_args, example_kwargs, optimizer,
+                         device=device, timeout=timeout, device_mesh=device_mesh, program=program, dry=dry,
+                         predict_memory=lambda n, states: memory_per_rank(n, plan.zero, plan.dp, states))

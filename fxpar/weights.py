@@ -26,13 +26,16 @@ from pathlib import Path
 import torch
 
 from fxpar.ir.errors import PlanError
-from fxpar.passes.tensor_parallel import shard_of
+from fxpar.ir.placement import ShardLayout
 
 
 class WeightSource:
+    """The tensors of one rank, from a state dict, safetensors files or the initialiser. ``rank``: this
+    rank's tensor-parallel coordinate, the part of each sharded tensor :meth:`load` returns."""
+
     def __init__(self, model: torch.nn.Module, weights, seed: int = 0,
-                 init: Callable[[torch.nn.Module], None] | None = None):
-        self.model, self.seed = model, seed
+                 init: Callable[[torch.nn.Module], None] | None = None, rank: int = 0):
+        self.model, self.seed, self.rank = model, seed, rank
         self.state: Mapping[str, torch.Tensor] = {}
         self.files: list = []
         if isinstance(weights, (str, Path)) and str(weights) != "init" or isinstance(weights, (list, tuple)):
@@ -48,23 +51,23 @@ class WeightSource:
         self.init = init or hf_init or _reset_parameters
         self._modules: dict[str, dict[str, torch.Tensor]] = {}
 
-    def load(self, names: list[str], dim: int | None, pieces: list[int] | None, tp: int, rank: int,
-             like: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the tensor known under ``names`` (aliases of one tied tensor)."""
+    def load(self, names: list[str], layout: ShardLayout | None, like: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the tensor known under ``names`` (aliases of one tied tensor), cut as
+        ``layout`` says (None: the whole tensor)."""
         for name in names:
             if name in self.state:
                 full = self.state[name]
                 full = full.detach()  # copied: training never writes into the caller's state dict
-                return self._checked(name, full.clone() if dim is None else shard_of(full, dim, pieces, tp, rank), like)
+                return self._checked(name, full.clone() if layout is None else layout.slice(full, self.rank), like)
             for f in self.files:
                 if name in f.keys():
-                    return self._checked(name, _read_slice(f, name, dim, pieces, tp, rank), like)
+                    return self._checked(name, _read_slice(f, name, layout, self.rank), like)
         name = names[0]
         path, _, leaf = name.rpartition(".")
         if path not in self._modules:
             self._modules[path] = self._init_module(path)
         full = self._modules[path][leaf]
-        return full if dim is None else shard_of(full, dim, pieces, tp, rank)
+        return full if layout is None else layout.slice(full, self.rank)
 
     def done(self) -> None:
         self._modules.clear()
@@ -91,21 +94,15 @@ def _reset_parameters(module: torch.nn.Module) -> None:
         module.reset_parameters()
 
 
-def _read_slice(f, name: str, dim: int | None, pieces: list[int] | None, tp: int, rank: int) -> torch.Tensor:
-    if dim is None:
+def _read_slice(f, name: str, layout: ShardLayout | None, rank: int) -> torch.Tensor:
+    """``rank``'s part of a safetensors entry, reading only that part (one range per fused piece)."""
+    if layout is None:
         return f.get_tensor(name)
-    if pieces:  # a fused tensor: this rank's part of each piece
-        sl = f.get_slice(name)
-        parts, start = [], 0
-        for p in pieces:
-            index = [slice(None)] * len(sl.get_shape())
-            index[dim] = slice(start + rank * (p // tp), start + (rank + 1) * (p // tp))
-            parts.append(sl[tuple(index)])
-            start += p
-        return torch.cat(parts, dim=dim)
     sl = f.get_slice(name)
     shape = sl.get_shape()
-    size = shape[dim] // tp
-    index = [slice(None)] * len(shape)
-    index[dim] = slice(rank * size, (rank + 1) * size)
-    return sl[tuple(index)]
+    parts = []
+    for start, end in layout.ranges(shape[layout.dim], rank):
+        index = [slice(None)] * len(shape)
+        index[layout.dim] = slice(start, end)
+        parts.append(sl[tuple(index)])
+    return torch.cat(parts, dim=layout.dim) if layout.pieces else parts[0]

@@ -1,0 +1,76 @@
+"""fxpar's compiler, top to bottom: the pass lists and :func:`run`.
+
+A traced :class:`~fxpar.ir.program.Program` (the same on every rank) goes through the program passes,
+is split into pipeline stages, and each stage this rank runs goes through the stage passes. A pass runs
+where its condition holds; ``FXPAR_DISABLE_PASSES`` skips passes by name and ``FXPAR_DUMP_DIR`` writes
+each graph before and after each pass (``passes/runner.py``).
+
+Analyses are not passes: costs are annotated at trace time (``fxpar.cost.flops``), and the stage costs
+and schedule predictions are computed from the split program by ``fxpar.cost.predict``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxpar.ir.program import Program
+from fxpar.ir.stage import PipelineProgram
+from fxpar.passes.drop_dtype_asserts import drop_dtype_asserts
+from fxpar.passes.materialize_weights import materialize_weights
+from fxpar.passes.pipeline_split import loss_position, split_pipeline
+from fxpar.passes.retarget_device import retarget_device
+from fxpar.passes.runner import Pass, PassContext, PassOutputs, Runner
+from fxpar.passes.tensor_parallel import tensor_parallel
+from fxpar.passes.zero3 import zero3
+
+__all__ = ["PROGRAM_PASSES", "SPLIT", "STAGE_PASSES", "Pass", "PassContext", "PassOutputs", "run"]
+
+
+def _tensor_parallel(program: Program, ctx: PassContext) -> Program:
+    loss = loss_position(program)  # a training step never gathers the logits: only the loss is kept whole
+    keep = None if loss is None else {[i for i, b in enumerate(program.outputs) if b.kind == "user"][loss]}
+    styles = ctx.plan.tp_plan if isinstance(ctx.plan.tp_plan, dict) else None
+    program, ctx.out.tp = tensor_parallel(program, ctx.mesh.tp, ctx.mesh.tp_rank, styles, group=ctx.group("tp"),
+                                          shards=ctx.shared.setdefault("tp_shards", {}), keep_outputs=keep,
+                                          sequence_parallel=ctx.plan.sequence_parallel)
+    return program
+
+
+def _split(program: Program, ctx: PassContext) -> PipelineProgram:
+    return split_pipeline(program, ctx.cuts, ctx.stage_to_rank)
+
+
+def _zero3(stage, ctx: PassContext):
+    plan = ctx.plan
+    buckets = zero3(stage.gm, stage.params, ctx.mesh.dp, ctx.mesh.dp_rank, group=ctx.group("dp"),
+                    bucket_bytes=int((plan.bucket_mb or 0) * 2**20), prefetch=plan.prefetch,
+                    cache=ctx.shared.setdefault("zero3", {}),
+                    compute_dtype=torch.bfloat16 if plan.mixed_precision == "bf16" else None)
+    ctx.out.zero3_buckets.setdefault(stage.index, buckets)
+    return stage
+
+
+PROGRAM_PASSES = (  # Program -> Program: the whole traced graph, the same on every rank but for its TP coordinate
+    Pass("tensor_parallel", _tensor_parallel, when=lambda c: c.mesh.tp > 1),  # before the split: layers still whole
+)
+SPLIT = Pass("pipeline_split", _split)  # Program -> PipelineProgram; cuts chosen on the traced program (ctx.cuts)
+STAGE_PASSES = (  # StageSpec -> StageSpec, only the stages this rank runs, pass-major
+    Pass("materialize_weights", materialize_weights,
+         when=lambda c: c.load is not None),  # after TP (loads only this rank's shards), before zero3 (flattens them)
+    Pass("retarget_device", retarget_device,
+         when=lambda c: c.load is not None and c.traced_on_meta),  # after weights: factory calls follow them
+    Pass("zero3", _zero3, when=lambda c: c.plan.zero == 3),  # after TP and split: shards what this rank holds
+    Pass("drop_dtype_asserts", drop_dtype_asserts,
+         when=lambda c: c.plan.mixed_precision == "bf16"),  # bf16 autocast makes the traced fp32 asserts false
+)
+
+
+def run(program: Program, ctx: PassContext) -> tuple[Program, PipelineProgram]:
+    """Compile ``program`` for the rank ``ctx.mesh`` stands for; the rewritten program and its stages."""
+    runner = Runner(ctx)
+    program = runner.run(PROGRAM_PASSES, program)
+    ctx.program = program
+    pipeline = runner.run((SPLIT,), program)
+    ctx.pipeline = pipeline
+    runner.run_stages(STAGE_PASSES, ctx.my_stages)
+    return program, pipeline

@@ -12,7 +12,7 @@ Writes: one ``GraphModule`` per stage (node meta copied) and the routing tables 
 - User inputs are given to every rank, so a stage reads them directly (labels go straight to the
   last stage). A value computed on one stage and read by later ones (attention mask, rotary tables)
   is an output of its stage, sent straight to every stage that reads it, not relayed stage by stage.
-- ``needs_grad`` marks values through which a gradient flows (they depend on a trainable parameter);
+- ``fxpar.ir.analysis.grad_flow`` marks values through which a gradient flows (they depend on a trainable parameter);
   only those get gradients sent back.
 
 Written here rather than with ``torch.fx.passes.split_module`` because stages need parameters as
@@ -27,23 +27,10 @@ import torch.fx
 
 from fxpar.cost.partition import cut_position, module_positions, top_nodes
 from fxpar.ir import meta
+from fxpar.ir.analysis import grad_flow
 from fxpar.ir.errors import PlanError
 from fxpar.ir.program import Program
 from fxpar.ir.stage import PipelineProgram, StageSpec, ValueRef
-
-
-def needs_grad(program: Program) -> set[torch.fx.Node]:
-    """Nodes whose value depends on a parameter that requires grad."""
-    flows: set[torch.fx.Node] = set()
-    trainable = {b.placeholder for b in program.inputs
-                 if b.kind == "parameter" and program.params[b.target].requires_grad}
-    for node in program.graph.nodes:
-        if node.op == "placeholder":
-            if node.name in trainable:
-                flows.add(node)
-        elif any(a in flows for a in node.all_input_nodes):
-            flows.add(node)
-    return flows
 
 
 def set_nested(root: torch.nn.Module, fqn: str, value) -> None:
@@ -77,7 +64,7 @@ def split_pipeline(program: Program, cuts: list[tuple[str, str]], stage_to_rank:
         for n in nodes[bounds[s]:bounds[s + 1]]:
             stage_of[n] = s
     n_stages = len(bounds) - 1
-    grad = needs_grad(program)
+    grad = grad_flow(program)
     binding = {b.placeholder: b for b in program.inputs}
     output_node = next(n for n in program.graph.nodes if n.op == "output")
     flat_outputs = list(output_node.args[0])

@@ -1,4 +1,4 @@
-"""Data parallelism and ZeRO stages 1-2 for the parameters one rank holds, and ZeRO-3's regathering.
+"""Data parallelism and ZeRO stages 1-2 for the parameters one rank holds.
 
 Every data-parallel rank runs the same stages on its slice of the global batch; the loss of each
 microbatch is already weighted by its share of the global batch's tokens, so gradients are *summed*
@@ -17,9 +17,11 @@ over the dp group (no division).
 * ``offload`` (ZeRO-1/2): the fp32 shards and the optimizer states live in CPU memory (ZeRO-Offload);
   each bucket's gradient shard is copied there, the optimizer steps on the CPU, and the updated shard
   goes back to the device for the all-gather.
-* zero=3: parameters are shards already (``fxpar.passes.zero``); the gathers' backward reduce-scatters
-  the gradients, so the optimizer steps the shards directly. ``regather_for_backward`` makes autograd
-  keep a handle to each gathered bucket instead of the bucket itself, and gather it again in backward.
+* zero=3: parameters are shards already (``fxpar.passes.zero3``); the gathers' backward reduce-scatters
+  the gradients, so the optimizer steps the shards directly (the regathering for backward is
+  ``fxpar.runtime.zero3``'s).
+
+Buckets use the flat layout of :class:`~fxpar.ir.buckets.FlatBucket`, the one ZeRO-3's buckets use.
 
 Flat shards work only for optimizers whose update is elementwise per parameter entry (SGD, Adam,
 AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam): ZeRO refuses others before any communication.
@@ -27,54 +29,35 @@ AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam): ZeRO refuses others before any c
 
 from __future__ import annotations
 
-import contextlib
-import math
 import weakref
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxpar.ir.errors import PlanError
-from fxpar.runtime import ops as fxops
+from fxpar.ir.buckets import FlatBucket
+from fxpar.ir.optim import check_optimizer
+from fxpar.runtime.collectives import all_gather_single
 from fxpar.runtime.groups import resolve_group
 
-ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-                          torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
 
+class _Bucket(FlatBucket):
+    """A gradient bucket: the flat layout of its parameters, the parameters, and the step's state."""
 
-def check_optimizer(optimizer: torch.optim.Optimizer, zero: int) -> None:
-    if zero and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        raise PlanError(f"ZeRO-{zero} shards optimizer states as flat slices, which is exact only for optimizers "
-                        f"that update each entry on its own; {type(optimizer).__name__} is not one of "
-                        f"{[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}: use zero=0 or one of those")
-
-
-class _Bucket:
     def __init__(self, params: list[tuple[str, torch.nn.Parameter]], dp: int, rank: int):
-        self.names = [n for n, _ in params]
+        super().__init__([n for n, _ in params], [p.shape for _, p in params], dp)
         self.params = [p for _, p in params]
-        self.numels = [p.numel() for p in self.params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
-        self.numel = sum(self.numels)
-        self.shard_numel = math.ceil(self.numel / dp)
-        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        self.lo, self.hi = self.shard_range(rank)
         self.work = None  # the async collective in flight
         self.flat: torch.Tensor | None = None
         self.shard: torch.nn.Parameter | None = None
 
-    def flatten(self, grads: bool, dp: int) -> torch.Tensor:
+    def local_flat(self, grads: bool) -> torch.Tensor:
+        """A new padded flat buffer of the parameters' gradients (``grads``) or values."""
         p0 = self.params[0]
-        flat = torch.zeros(self.shard_numel * dp, dtype=p0.dtype, device=p0.device)
-        for p, off, n in zip(self.params, self.offsets, self.numels):
-            src = p.grad if grads else p.data
-            if src is not None:
-                flat[off:off + n] = src.reshape(-1)
-        return flat
+        return self.flatten([p.grad if grads else p.data for p in self.params], dtype=p0.dtype, device=p0.device)
 
     def scatter_into(self, flat: torch.Tensor, grads: bool) -> None:
-        for p, off, n in zip(self.params, self.offsets, self.numels):
-            piece = flat[off:off + n].view_as(p)
+        for p, piece in zip(self.params, self.views(flat)):
             if grads:
                 p.grad = piece.clone()
             else:
@@ -88,10 +71,7 @@ class DataParallelEngine:
                  rank: int, zero: int, group: str = "dp", bucket_bytes: int = 25 * 2**20, overlap: bool = True,
                  offload: bool = False):
         self.dp, self.rank, self.zero, self.group = dp, rank, zero, group
-        self.overlap = overlap
-        if offload and zero not in (1, 2):
-            raise PlanError(f"offload keeps ZeRO-1/2's fp32 shards and optimizer states in CPU memory; zero={zero} "
-                            "has none to offload: use zero=1 or zero=2")
+        self.overlap = overlap  # (offload with zero other than 1 or 2 is refused by Plan itself)
         self.home = torch.device("cpu") if offload else None  # where shards and optimizer states live
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in named]
@@ -110,7 +90,7 @@ class DataParallelEngine:
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         if zero in (1, 2):
             for b in self.buckets:
-                b.shard = torch.nn.Parameter(b.flatten(False, dp)[b.lo:b.hi].float().clone().to(self.home or
+                b.shard = torch.nn.Parameter(b.local_flat(False)[b.lo:b.hi].float().clone().to(self.home or
                                                                                                 b.params[0].device))
             self.optimizer = optimizer_factory([b.shard for b in self.buckets]) if self.buckets else None
         else:
@@ -156,7 +136,7 @@ class DataParallelEngine:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        b.flat = b.flatten(True, self.dp)
+        b.flat = b.local_flat(True)
         b.work = dist.all_reduce(b.flat, group=resolve_group(self.group), async_op=True)
         self.comm["all_reduce"] += b.flat.numel() * b.flat.element_size()
         if self.zero == 2:  # the bucket holds the gradients now; the full ones go
@@ -193,16 +173,9 @@ class DataParallelEngine:
             for b in self.buckets:
                 device = b.params[0].device  # gathered where the parameters live (back from CPU if offloaded)
                 full = torch.empty(b.shard_numel * self.dp, dtype=b.shard.dtype, device=device)
-                fxops.all_gather_single(full, b.shard.detach().to(device), group=pg)
+                all_gather_single(full, b.shard.detach().to(device), group=pg)
                 self.comm["all_gather"] += full.numel() * full.element_size()
                 b.scatter_into(full.to(b.params[0].dtype), grads=False)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-        for b in self.buckets:
-            if b.shard is not None:
-                b.shard.grad = None
 
     # ---- reading ----------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
@@ -222,47 +195,3 @@ class DataParallelEngine:
         return {"params": nbytes(self.params) + nbytes(shards),
                 "grads": nbytes([p.grad for p in self.params]) + nbytes([s.grad for s in shards]),
                 "optimizer": nbytes(states)}
-
-
-@contextlib.contextmanager
-def regather_for_backward():
-    """While a ZeRO-3 forward runs: autograd saves a handle for every tensor that lives in a gathered
-    bucket, and gathers the bucket again when backward needs it; the gathered forward copy is freed
-    after its last forward use. The regathered bucket is kept while backward works through it."""
-    # storage pointer of a gathered bucket -> (weak ref to its storage, (shard, group, dim)); the weak
-    # ref tells a live bucket from a later tensor that happens to reuse a freed bucket's address
-    buckets: dict[int, tuple] = {}
-    regathered: dict[int, torch.Tensor] = {}
-
-    def observe(out, shard, group, dim, dtype):
-        buckets[out.untyped_storage().data_ptr()] = (StorageWeakRef(out.untyped_storage()), (shard, group, dim, dtype))
-
-    def pack(t: torch.Tensor):
-        if t.device.type == "meta" or not buckets:
-            return t
-        ptr = t.untyped_storage().data_ptr()
-        entry = buckets.get(ptr)
-        if entry is None:
-            return t
-        if entry[0].expired():
-            del buckets[ptr]
-            return t
-        return ("zero3", ptr, entry[1], t.storage_offset(), tuple(t.shape), t.stride())
-
-    def unpack(saved):
-        if not (isinstance(saved, tuple) and saved and saved[0] == "zero3"):
-            return saved
-        _, ptr, (shard, group, dim, dtype), offset, shape, stride = saved
-        if ptr not in regathered:
-            regathered.clear()  # backward has moved on to another bucket
-            with torch.no_grad():
-                regathered[ptr] = fxops.gather_params(shard.detach(), group, dim, dtype)
-        return regathered[ptr].as_strided(shape, stride, offset)
-
-    previous = fxops.param_gather_observer
-    fxops.param_gather_observer = observe
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
-    finally:
-        fxops.param_gather_observer = previous

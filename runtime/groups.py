@@ -1,17 +1,35 @@
-"""Named process groups for fxpar's collective ops: register, resolve, size.
+"""Named process groups for fxpar's collective ops: the mesh's groups, and register, resolve, size.
 
-A group is named by a string ("tp", "dp", "tp:0,1", "world") and resolved when an op runs. Fake
-kernels need only its size, which the registry or a "label:r0,r1,..." name carries, so a program can be
-traced for a group that does not exist yet. Without torch.distributed every group has one rank.
+Reads: a :class:`~fxpar.ir.mesh.MeshSpec` (or rank lists) and torch.distributed. Writes: process groups
+and this process's name -> group table, which the collective kernels (:mod:`fxpar.runtime.collectives`)
+resolve when an op runs.
+
+Group names are identities, not roles: :func:`mesh_groups` registers this rank's group along each mesh
+axis under the full name the compiler writes into graphs, ``MeshSpec.group_name(axis)`` (``"tp:0,1"``,
+``"dp:0,2"``). Two compiled models with different plans in one process therefore never share a group
+of the wrong ranks, and a fake kernel sizes a group from its name alone (:mod:`fxpar.ir.ops`). The
+low-level :func:`register_group` / :func:`new_group` / :func:`new_subgroups` stay for tests and tools
+that name groups by hand ("tp", "world"); this module sizes those for the fake kernels too (it installs
+:func:`group_size` in :mod:`fxpar.ir.ops` when imported). Without torch.distributed every group has
+one rank.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import datetime
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from fxpar.ir import ops as ir_ops
 from fxpar.ir.errors import FxparError
+from fxpar.ir.mesh import AXES, MeshSpec
+from fxpar.ir.ops import dist_up as _dist_up
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,18 +40,6 @@ class _Group:
 
 
 _GROUPS: dict[str, _Group] = {}
-
-
-def _parse_ranks(name: str) -> tuple[int, ...] | None:
-    """The ranks a "label:r0,r1,..." name lists, else None."""
-    _, sep, tail = name.rpartition(":")
-    if not sep or not tail:
-        return None
-    try:
-        ranks = tuple(int(r) for r in tail.split(","))
-    except ValueError:
-        return None
-    return ranks if len(set(ranks)) == len(ranks) and min(ranks) >= 0 else None
 
 
 def register_group(name: str, process_group=None, *, size: int | None = None) -> None:
@@ -75,17 +81,7 @@ def group_size(name: str) -> int:
     g = _GROUPS.get(name)
     if g is not None:
         return g.size
-    if name == "world":
-        return dist.get_world_size() if _dist_up() else 1
-    ranks = _parse_ranks(name)
-    if ranks is not None:
-        return len(ranks)
-    if not _dist_up():
-        return 1
-    raise FxparError(
-        f"unknown process group {name!r} (registered: {sorted(_GROUPS) or 'none'}); "
-        "register it with fxpar.runtime.ops.register_group or create it with new_group"
-    )
+    return ir_ops.default_group_size(name, registered=_GROUPS)
 
 
 def resolve_group(name: str):
@@ -102,7 +98,7 @@ def resolve_group(name: str):
         raise FxparError(
             f"group {name!r} has {size} ranks but no process group is registered under that name"
             + ("" if _dist_up() else " (torch.distributed is not initialised)")
-            + "; create it with fxpar.runtime.ops.new_group or register_group"
+            + "; create it with fxpar.runtime.groups.new_group or register_group"
         )
     if not g.member:
         raise FxparError(f"this rank ({dist.get_rank()}) is not a member of group {name!r}")
@@ -141,5 +137,20 @@ def new_subgroups(label: str, groups: Sequence[Sequence[int]], *,
     return mine
 
 
-def _dist_up() -> bool:
-    return dist.is_available() and dist.is_initialized()
+def mesh_groups(spec: MeshSpec, device_type: str, dp_axis: str = "dp_replicate") -> DeviceMesh | None:
+    """Build the ``(dp, pp, tp)`` ``DeviceMesh`` of ``spec`` (every rank of the world calls this, in the
+    same order: it creates process groups) and register this rank's group along each axis under its
+    full name, ``spec.group_name(axis)``. ``dp_axis`` names the mesh's data-parallel dimension
+    (``"dp_shard"`` under ZeRO, ``"dp_replicate"`` without). Returns the mesh; None for a world of
+    one rank, where nothing is registered (a one-rank name resolves to no group already)."""
+    if spec.world_size == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, spec.shape, mesh_dim_names=(dp_axis, "pp", "tp"))
+    for axis, dim in zip(AXES, (dp_axis, "pp", "tp")):
+        register_group(spec.group_name(axis), mesh.get_group(dim))
+    return mesh
+
+
+ir_ops.set_group_size_resolver(group_size)  # fake kernels size hand-registered names ("tp") too

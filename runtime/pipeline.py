@@ -8,7 +8,7 @@ weights, later). Values go straight from the stage that produces them to every s
 Why not torch.distributed.pipelining's ``PipelineStage`` and schedule executors: they move one
 argument tuple from stage i to stage i+1 only, so a value read several stages later (masks, rotary
 tables, a residual) would have to be relayed through every stage between, and each stage must have
-a fixed positional interface. The schedules' action orders are reused (``fxpar.runtime.schedules``),
+a fixed positional interface. The schedules' action orders are reused (``fxpar.ir.schedule``),
 and so are torch's split-backward helpers for the zero-bubble ``I``/``W`` actions.
 
 Transport: every rank can compute every other rank's send order from the schedule, so receives are
@@ -28,13 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from fxpar.ir.errors import FxparError
+from fxpar.ir.errors import PipelineError
+from fxpar.ir.schedule import Action
 from fxpar.ir.stage import PipelineProgram, StageSpec
-from fxpar.runtime.schedules import Action
-
-
-class PipelineError(FxparError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -117,19 +113,28 @@ class Transport:
             raise PipelineError(f"rank {self.me}: messages received but never used: {list(self.inbox)[:4]}")
 
 
+@dataclass
+class StepOutputs:
+    """What one rank's run of a schedule produced."""
+
+    losses: dict[int, torch.Tensor]  # microbatch -> its weighted loss, where this rank computes the loss
+    outputs: dict[int, dict[int, torch.Tensor]]  # microbatch -> {user output position: tensor} of its stages
+
+
 class PipelineRuntime:
     """Executes one rank's share of a :class:`PipelineProgram` for one step."""
 
     def __init__(self, pprog: PipelineProgram, schedule: dict[int, list[Action]], me: int,
-                 global_ranks: list[int], group=None, device: torch.device | str = "cpu", timeout: float = 300.0):
+                 global_ranks: list[int], group=None, device: torch.device | str = "cpu", timeout: float = 300.0,
+                 *, forward_context=None, autocast_dtype: torch.dtype | None = None):
         self.pprog, self.schedule, self.me = pprog, schedule, me
         self.actions = schedule[me]
         self.rank_of = pprog.stage_to_rank
         self.device = torch.device(device)
         self.global_ranks, self.group, self.timeout = global_ranks, group, timeout
         self.stages = {s.index: s for s in pprog.stages_of(me)}
-        self.forward_context = contextlib.nullcontext  # wraps each training forward (ZeRO-3 sets one)
-        self.autocast_dtype: torch.dtype | None = None  # mixed precision: forwards run under torch.autocast
+        self.forward_context = forward_context or contextlib.nullcontext  # wraps each training forward (ZeRO-3)
+        self.autocast_dtype = autocast_dtype  # mixed precision: forwards run under torch.autocast
         # (stage, output) -> how many stages on this rank read it
         self.local_readers: dict[tuple[int, int], int] = defaultdict(int)
         for s in self.stages.values():
@@ -140,7 +145,7 @@ class PipelineRuntime:
     def weights(self, stage: StageSpec) -> list[torch.nn.Parameter]:
         return [p for p in stage.gm.parameters() if p.requires_grad]
 
-    def run(self, microbatches: list[list], *, train: bool, loss_weights: list[float] | None = None) -> dict:
+    def run(self, microbatches: list[list], *, train: bool, loss_weights: list[float] | None = None) -> StepOutputs:
         """Run the schedule (``train``) or its forward actions only. Returns, for this rank:
         ``losses`` {mb: weighted loss} where the loss is computed, ``outputs`` {mb: {user output: tensor}}."""
         transport = Transport(self.pprog, self.schedule if train else self._forward_only(), self.me,
@@ -250,7 +255,7 @@ class PipelineRuntime:
         transport.finish()
         if saved or pending_w:
             raise PipelineError(f"rank {self.me}: schedule left work undone: {list(saved)[:4]} {list(pending_w)[:4]}")
-        return {"losses": losses, "outputs": dict(outputs)}
+        return StepOutputs(losses, dict(outputs))
 
     def _forward_only(self) -> dict[int, list[Action]]:
         return {r: [a for a in acts if a.kind == "F"] for r, acts in self.schedule.items()}

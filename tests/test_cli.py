@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from fxpar import zoo
 from fxpar.cli import main
-from fxpar.testing import zoo
 
 
 def analytic_flops(cfg, batch: int, seq: int) -> int:

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import transformers
 
 import fxpar
-from fxpar import checkpoint
-from fxpar.testing import multiproc, zoo
+from fxpar import checkpoint, zoo
+from fxpar.testing import multiproc
 from fxpar.testing.compare import train_against_reference
 
 TOL = 1e-5
@@ -91,7 +91,7 @@ KILLED_SAVE = textwrap.dedent("""
     import torch.distributed.checkpoint.filesystem as fs
     import fxpar
     from fxpar import checkpoint
-    from fxpar.testing import zoo
+    from fxpar import zoo
     directory = sys.argv[1]
     batch = zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=2, seq=8)
     compiled = fxpar.compile(zoo.build("llama"), "pp=1", example_kwargs=batch,

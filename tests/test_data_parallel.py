@@ -8,8 +8,10 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.runtime import ops as fxops
-from fxpar.testing import multiproc, zoo
+from fxpar import zoo
+from fxpar.cost import comm
+from fxpar.ir import ops as fxops
+from fxpar.testing import multiproc
 from fxpar.testing.compare import compare_trajectory, reference_trajectory
 
 TOL = 1e-5
@@ -75,11 +77,11 @@ def dp_accounting(dp: int) -> dict:
         compiled.step(**batch)  # the second step overlaps reductions with backward
         graph = compiled.pipeline.stages[0].gm
         out[zero] = {"engine": dict(compiled.engine.comm) if zero < 3 else None,
-                     "graph_fwd": fxops.collective_bytes(graph)["gather_params"],
-                     "graph_bwd": fxops.collective_bytes(graph, backward=True)["gather_params"],
+                     "graph_fwd": comm.collective_bytes(graph)["gather_params"],
+                     "graph_bwd": comm.collective_bytes(graph, backward=True)["gather_params"],
                      "gathers": fxops.count_collectives(graph)["gather_params"],
                      "memory": compiled.memory(),
-                     "largest_bucket": max((b.shard_numel * dp * 4 for bs in compiled._zero3_buckets.values()
+                     "largest_bucket": max((b.shard_numel * dp * 4 for bs in compiled.zero3_buckets.values()
                                             for b in bs), default=0)}
     return out
 
@@ -93,7 +95,7 @@ def test_communication_volume_and_memory_per_rank(pool4):
         ddp = r[0]["engine"]
         assert p <= ddp["all_reduce"] <= p + 4 * 4 * 8, (ddp, p)  # padding: at most dp-1 entries per bucket
         assert ddp["all_gather"] == 0
-        assert fxops.ring_bytes("all_reduce", ddp["all_reduce"], 4) == 2 * 3 * ddp["all_reduce"] // 4
+        assert comm.ring_bytes("all_reduce", ddp["all_reduce"], 4) == 2 * 3 * ddp["all_reduce"] // 4
         z3 = r[3]
         layers = zoo.tiny_config("llama").num_hidden_layers
         assert z3["gathers"] == layers + 3  # one per decoder layer, the embedding, the final norm, the head
@@ -185,7 +187,7 @@ def mixed_precision_training(steps: int = 3) -> dict:
         ref_losses.append(loss.item())
     graph = compiled.pipeline.stages[0].gm
     gathered = {n.meta["val"].dtype for n in graph.graph.nodes if fxops.collective_kind(n) == "gather_params"}
-    buckets = [b for bs in compiled._zero3_buckets.values() for b in bs]
+    buckets = [b for bs in compiled.zero3_buckets.values() for b in bs]
     return {"losses": losses, "ref": ref_losses, "fp32_loss": fp32(**batch).loss.item(), "gathered": gathered,
             "shards": {b.shard.dtype for b in buckets}, "grads": {b.shard.grad.dtype for b in buckets}}
 

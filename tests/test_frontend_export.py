@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import fxpar
+from fxpar import zoo
 from fxpar.ir import meta
-from fxpar.testing import zoo
 from fxpar.testing.compare import grads_by_fqn, max_abs_diff_tree
 
 TOL = 1e-6

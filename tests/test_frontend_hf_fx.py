@@ -25,10 +25,10 @@ if not _HAVE_HF_FX:
 import torch  # noqa: E402
 
 import fxpar  # noqa: E402
+from fxpar import zoo  # noqa: E402
 from fxpar.frontend import hf_fx  # noqa: E402
 from fxpar.ir import meta  # noqa: E402
 from fxpar.ir.errors import TraceError  # noqa: E402
-from fxpar.testing import zoo  # noqa: E402
 
 pytestmark = pytest.mark.hf_fx
 

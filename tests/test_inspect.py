@@ -10,7 +10,7 @@ import expecttest
 import torch
 
 import fxpar
-from fxpar.inspect.graph import to_dot
+from fxpar.report.graph import to_dot
 
 
 class MLP(torch.nn.Module):

@@ -1,7 +1,7 @@
-"""fxpar's collective ops (fxpar.runtime.ops): identities and gradcheck in one process, tracing with fake
-tensors (torch.export, make_fx) and graph accounting, then forward values and gradients on 2 and 4 gloo
-ranks against the math done by hand, and a tensor-parallel (and sequence-parallel) MLP against the
-unsharded one."""
+"""fxpar's collective ops (fxpar.ir.ops; kernels in fxpar.runtime.collectives): identities and gradcheck
+in one process, tracing with fake tensors (torch.export, make_fx) and graph accounting, then forward
+values and gradients on 2 and 4 gloo ranks against the math done by hand, and a tensor-parallel (and
+sequence-parallel) MLP against the unsharded one."""
 
 from __future__ import annotations
 
@@ -14,8 +14,18 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxpar.ir.errors import FxparError
-from fxpar.runtime import groups, ops
+from fxpar.cost.comm import collective_bytes, collective_ring_bytes, ring_bytes
+from fxpar.ir import ops
+from fxpar.ir.errors import CollectiveError, FxparError
+from fxpar.runtime import collectives, groups
+from fxpar.runtime.groups import (
+    new_group,
+    new_subgroups,
+    register_group,
+    registered_groups,
+    resolve_group,
+    unregister_group,
+)
 from fxpar.testing import multiproc
 
 pool2 = multiproc.rank_pool(2)
@@ -70,47 +80,47 @@ def test_all_reduce_reductions_single_process():
     for op in ("avg", "max", "min"):
         assert torch.equal(ops.all_reduce(x, "world", op), x)
     assert torch.autograd.gradcheck(lambda t: ops.all_reduce(t, "world", "avg"), (x,))
-    with pytest.raises(ops.CollectiveError, match="no gradient"):
+    with pytest.raises(CollectiveError, match="no gradient"):
         ops.all_reduce(x, "world", "max").sum().backward()
-    with pytest.raises(ops.CollectiveError, match="unknown reduction 'prod'"):
+    with pytest.raises(CollectiveError, match="unknown reduction 'prod'"):
         ops.all_reduce(x, "world", "prod")
-    with pytest.raises(ops.CollectiveError, match="'avg' needs a floating tensor"):
+    with pytest.raises(CollectiveError, match="'avg' needs a floating tensor"):
         ops.all_reduce(torch.ones(2, dtype=torch.int64), "world", "avg")
 
 
 def test_group_registry_without_distributed(clean_groups):
-    assert ops.group_size("world") == 1 and ops.resolve_group("world") is None
-    assert ops.group_size("tp") == 1 and ops.resolve_group("tp") is None  # no dist: every group is one rank
+    assert ops.group_size("world") == 1 and resolve_group("world") is None
+    assert ops.group_size("tp") == 1 and resolve_group("tp") is None  # no dist: every group is one rank
     assert ops.group_size("tp:0,1,2") == 3  # the name lists the ranks
-    ops.register_group("dp", size=4)
-    assert ops.group_size("dp") == 4 and ops.registered_groups()["dp"] == 4
+    register_group("dp", size=4)
+    assert ops.group_size("dp") == 4 and registered_groups()["dp"] == 4
     x = torch.randn(8, 2)
     # a group with several ranks and no process group: fine for tracing, an error when run for real
-    with pytest.raises(ops.CollectiveError, match=r"fxpar\.all_reduce on group 'dp':.*size 4.*without a process group"):
+    with pytest.raises(CollectiveError, match=r"fxpar\.all_reduce on group 'dp':.*size 4.*without a process group"):
         ops.all_reduce(x, "dp")
-    with pytest.raises(ops.CollectiveError, match=r"fxpar\.all_gather on group 'tp:0,1':.*2 ranks"):
+    with pytest.raises(CollectiveError, match=r"fxpar\.all_gather on group 'tp:0,1':.*2 ranks"):
         ops.all_gather(x, "tp:0,1", 0)
-    ops.register_group("one", size=1)
+    register_group("one", size=1)
     assert torch.equal(ops.reduce_scatter(x, "one", 0), x)
-    ops.unregister_group("dp")
+    unregister_group("dp")
     assert ops.group_size("dp") == 1
     with pytest.raises(FxparError, match="non-empty string"):
-        ops.register_group("", size=1)
+        register_group("", size=1)
 
 
 def test_local_shape_errors_name_op_group_and_sizes():
     x = torch.randn(6, 2)
-    with pytest.raises(ops.CollectiveError, match=r"fxpar\.all_gather on group 'tp': dim 2 is out of range.*\(6, 2\)"):
+    with pytest.raises(CollectiveError, match=r"fxpar\.all_gather on group 'tp': dim 2 is out of range.*\(6, 2\)"):
         ops.all_gather(x, "tp", 2)
     with FakeTensorMode():
         fx = torch.empty(6, 2)
-        with pytest.raises(ops.CollectiveError) as info:
+        with pytest.raises(CollectiveError) as info:
             ops.reduce_scatter(fx, "tp:0,1,2,3", 0)
         assert ops.all_gather(torch.empty(2, 3), "tp:0,1,2,3", -1).shape == (2, 12)
     e = info.value
     assert (e.op, e.group, e.sizes) == ("reduce_scatter", "tp:0,1,2,3", [(6, 2)])
     assert "size 6" in str(e) and "4 equal shards" in str(e)
-    with pytest.raises(ops.CollectiveError, match=r"fxpar\.scatter_slice on group 'tp:0,1,2,3': dim 1 has size 2"):
+    with pytest.raises(CollectiveError, match=r"fxpar\.scatter_slice on group 'tp:0,1,2,3': dim 1 has size 2"):
         ops.scatter_slice(torch.empty(4, 2, device="meta"), "tp:0,1,2,3", 1)
 
 
@@ -159,23 +169,23 @@ def test_export_traces_ops_with_fake_shapes():
 
     # bytes: the full tensor each collective works on; float32 (2, 6, 4) = 192 bytes
     full = 2 * 6 * 4 * 4
-    assert ops.collective_bytes(gm) == {
+    assert collective_bytes(gm) == {
         "all_reduce": full, "identity_fwd_all_reduce_bwd": 0, "all_gather": full,
         "all_gather_rs_bwd": full, "reduce_scatter": full, "scatter_slice": 0, "gather_params": 0,
     }
-    assert ops.collective_bytes(gm, backward=True) == {
+    assert collective_bytes(gm, backward=True) == {
         "all_reduce": 0, "identity_fwd_all_reduce_bwd": full, "all_gather": 0,
         "all_gather_rs_bwd": full, "reduce_scatter": full, "scatter_slice": full, "gather_params": 0,
     }
     # ring over 2 ranks: all-reduce sends 2 * 1/2 of the payload, gathers and scatters 1/2
-    assert ops.collective_ring_bytes(gm) == {
+    assert collective_ring_bytes(gm) == {
         "all_reduce": full, "identity_fwd_all_reduce_bwd": 0, "all_gather": full // 2,
         "all_gather_rs_bwd": full // 2, "reduce_scatter": full // 2, "scatter_slice": 0, "gather_params": 0,
     }
-    assert ops.ring_bytes("all_reduce", 1000, 4) == 1500 and ops.ring_bytes("all_gather", 1000, 4) == 750
-    assert ops.ring_bytes("reduce_scatter", 1000, 1) == 0
+    assert ring_bytes("all_reduce", 1000, 4) == 1500 and ring_bytes("all_gather", 1000, 4) == 750
+    assert ring_bytes("reduce_scatter", 1000, 1) == 0
     with pytest.raises(FxparError, match="unknown communication"):
-        ops.ring_bytes("broadcast", 1, 2)
+        ring_bytes("broadcast", 1, 2)
 
 
 def test_make_fx_backward_shows_collectives():
@@ -206,7 +216,7 @@ def test_collective_bytes_needs_vals():
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     assert ops.count_collectives(gm)["all_reduce"] == 1
     with pytest.raises(FxparError, match="no meta\\['val'\\]"):
-        ops.collective_bytes(gm)
+        collective_bytes(gm)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -259,13 +269,13 @@ def _run_ops(label: str, groups, native_reduce_scatter: bool = False):
     loss ``(y * _w(r)).sum()``; max has no gradient. ``native_reduce_scatter`` takes the NCCL code path
     of reduce_scatter (torch's single-tensor reduce-scatter, which recent gloo also has) instead of
     gloo's all-reduce + slice."""
-    name = ops.new_subgroups(label, groups) if groups else "world"
+    name = new_subgroups(label, groups) if groups else "world"
     n = ops.group_size(name)
     rank = dist.get_rank()
     out = {}
-    backend_of = ops._backend_of
+    backend_of = collectives._backend_of
     if native_reduce_scatter:
-        ops._backend_of = lambda pg, device: "native"
+        collectives._backend_of = lambda pg, device: "native"
     try:
         for kind, extra, _, out_shape in _cases(n):
             x = (_x(0) if kind == "scatter_slice" else _x(rank)).requires_grad_()
@@ -275,7 +285,7 @@ def _run_ops(label: str, groups, native_reduce_scatter: bool = False):
                 (y * _w(rank, out_shape)).sum().backward()
             out[(kind, extra)] = (y.detach(), x.grad)
     finally:
-        ops._backend_of = backend_of
+        collectives._backend_of = backend_of
     return {"group": name, "size": n, "results": out}
 
 
@@ -353,22 +363,22 @@ def test_ops_on_four_ranks_two_groups(pool4):
 
 
 def _mismatched_gather():
-    ops.register_group("tp", dist.group.WORLD)
-    old = ops.set_shape_checks(True)
+    register_group("tp", dist.group.WORLD)
+    old = collectives.set_shape_checks(True)
     try:
         ops.all_gather(torch.zeros(2 + dist.get_rank(), 3), "tp", 0)
-    except ops.CollectiveError as e:
+    except CollectiveError as e:
         return str(e), e.sizes
     finally:
-        ops.set_shape_checks(old)
+        collectives.set_shape_checks(old)
     return None, None
 
 
 def _not_divisible():
-    ops.register_group("tp", dist.group.WORLD)
+    register_group("tp", dist.group.WORLD)
     try:
         ops.reduce_scatter(torch.zeros(3, 5), "tp", 1)
-    except ops.CollectiveError as e:
+    except CollectiveError as e:
         return str(e)
 
 
@@ -381,13 +391,13 @@ def _unknown_group():
 
 def _one_rank_never_comes():
     """Rank 0 all-reduces on a group whose peer never joins: it must give up after the group's timeout."""
-    name = ops.new_group("lonely", range(dist.get_world_size()), timeout=datetime.timedelta(seconds=1))
+    name = new_group("lonely", range(dist.get_world_size()), timeout=datetime.timedelta(seconds=1))
     if dist.get_rank() != 0:
         return None
     start = time.monotonic()
     try:
         ops.all_reduce(torch.ones(4), name)
-    except ops.CollectiveError as e:
+    except CollectiveError as e:
         return str(e), time.monotonic() - start
     return "no error", time.monotonic() - start
 
@@ -430,7 +440,7 @@ def _megatron_mlp(sequence_parallel: bool):
     """Tensor-parallel MLP on the whole world (column-parallel w1, row-parallel w2, both sliced from one
     seeded full weight); with ``sequence_parallel`` the input and output are split along the sequence.
     Returns the largest differences from the unsharded MLP, output and gradients."""
-    ops.register_group("tp", dist.group.WORLD)
+    register_group("tp", dist.group.WORLD)
     n, r = dist.get_world_size(), dist.get_rank()
     t = _mlp_weights()
     full = {k: t[k].clone().requires_grad_() for k in ("w1", "b1", "w2", "b2", "x")}

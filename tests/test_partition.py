@@ -7,10 +7,10 @@ import itertools
 import pytest
 
 import fxpar
+from fxpar import zoo
 from fxpar.cost import partition as P
 from fxpar.cost.device import CPU
 from fxpar.ir.errors import PlanError
-from fxpar.testing import zoo
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 import fxpar
+from fxpar import zoo
 from fxpar.ir.errors import PlanError
-from fxpar.testing import multiproc, zoo
+from fxpar.testing import multiproc
 from fxpar.testing.compare import grads_by_fqn
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fxpar.ir.errors import PlanError
-from fxpar.runtime.schedules import (
+from fxpar.ir.schedule import (
     SCHEDULES,
     Action,
     build_schedule,

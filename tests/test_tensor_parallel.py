@@ -14,11 +14,13 @@ import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 import fxpar
+from fxpar import zoo
 from fxpar.ir import meta
+from fxpar.ir import ops as fxops
 from fxpar.ir.errors import PlanError
-from fxpar.passes.tensor_parallel import shard_of, tensor_parallel
-from fxpar.runtime import ops as fxops
-from fxpar.testing import multiproc, zoo
+from fxpar.passes.tensor_parallel import tensor_parallel
+from fxpar.runtime import groups
+from fxpar.testing import multiproc
 from fxpar.testing.compare import grads_by_fqn, train_against_reference
 
 TOL = 1e-5
@@ -27,7 +29,7 @@ pool4 = multiproc.rank_pool(4)
 
 
 def tp_step(name: str, tp: int, loss_only: bool = False, sp: bool = False) -> dict:
-    fxops.register_group("tp", dist.group.WORLD)
+    groups.register_group("tp:" + ",".join(map(str, range(tp))), dist.group.WORLD)  # the pass's default group
     rank = dist.get_rank()
     model = zoo.build(name, seed=0)
     batch = zoo.example_inputs(name, model, batch=2, seq=8)
@@ -42,14 +44,14 @@ def tp_step(name: str, tp: int, loss_only: bool = False, sp: bool = False) -> di
     ref_grads = grads_by_fqn(ref)
     grad = 0.0
     for fqn, p in local.named_parameters():
-        d = info["sharded"].get(fqn)
-        want = ref_grads[fqn] if d is None else shard_of(ref_grads[fqn], d, info["pieces"].get(fqn), tp, rank)
+        layout = info.layout(fqn)
+        want = ref_grads[fqn] if layout is None else layout.slice(ref_grads[fqn], rank)
         grad = max(grad, (p.grad - want).abs().max().item())
     placements = {tuple(n.meta.get(meta.PLACEMENT, ())) for n in local.gm.graph.nodes if n.op != "output"}
     logits = 0.0 if loss_only else (out.logits - expected.logits).abs().max().item()
     return {"loss": (out.loss - expected.loss).abs().item(), "logits": logits, "grad": grad,
-            "counts": fxops.count_collectives(local.gm), "sharded": info["sharded"],
-            "fallbacks": info["fallbacks"], "placements": placements}
+            "counts": fxops.count_collectives(local.gm), "sharded": info.sharded,
+            "fallbacks": info.fallbacks, "placements": placements}
 
 
 # the model's own base_model_tp_plan (MoE experts: packed_colwise / moe_tp_experts; phi3: fused qkv and
@@ -129,8 +131,8 @@ def compiled_training(name: str, pp: int, tp: int, sp: bool = False, steps: int 
         logits = (out[first] - want[first]).abs().max().item()
     graph = compiled.program.gm
     return {**diffs, "logits": logits,
-            "fallbacks": compiled.tp_info["fallbacks"], "counts": fxops.count_collectives(graph),
-            "sharded": dict(compiled.tp_info["sharded"]),
+            "fallbacks": compiled.tp_info.fallbacks, "counts": fxops.count_collectives(graph),
+            "sharded": dict(compiled.tp_info.sharded),
             "placements": {tuple(n.meta.get(meta.PLACEMENT, ())) for n in graph.graph.nodes if n.op != "output"}}
 
 

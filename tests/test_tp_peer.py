@@ -56,7 +56,7 @@ def peer_training(tp: int, plan: str, steps: int = 3) -> dict:
         dt_opt.step()
     state = compiled.full_state_dict()
     out["weights"] = max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items())
-    out["sharded"] = sorted(compiled.tp_info["sharded"])
+    out["sharded"] = sorted(compiled.tp_info.sharded)
     dist.barrier()
     return out
 

@@ -9,7 +9,8 @@ import transformers
 from safetensors.torch import save_file
 
 import fxpar
-from fxpar.testing import multiproc, zoo
+from fxpar import zoo
+from fxpar.testing import multiproc
 from fxpar.weights import WeightSource
 
 TOL = 1e-5
@@ -39,7 +40,7 @@ def meta_training(name: str, plan: str, source: str, path: str) -> dict:
     out = {"held": held, "meta_left": meta_left}
     if source == "init":  # the same values on every plan and rank: each module seeded by its FQN
         expected = WeightSource(_meta(name), "init")
-        out["init_diff"] = max((state[k] - expected.load([k], None, None, 1, 0, like=v)).abs().max().item()
+        out["init_diff"] = max((state[k] - expected.load([k], None, like=v)).abs().max().item()
                                for k, v in ref.state_dict().items())
         out["std"] = state["model.layers.0.mlp.up_proj.weight"].std().item()
         return out
@@ -92,4 +93,4 @@ def test_wrong_state_dict_is_a_clear_error():
     model = _meta("llama")
     source = WeightSource(model, {"model.embed_tokens.weight": torch.zeros(3, 3)})
     with pytest.raises(fxpar.PlanError, match=r"model.embed_tokens.weight has shape \(3, 3\)"):
-        source.load(["model.embed_tokens.weight"], None, None, 1, 0, like=torch.empty(256, 64, device="meta"))
+        source.load(["model.embed_tokens.weight"], None, like=torch.empty(256, 64, device="meta"))

@@ -1,4 +1,4 @@
-"""The tiny model zoo (fxpar.testing.zoo): every model builds, trains one step, and is reproducible."""
+"""The tiny model zoo (fxpar.zoo): every model builds, trains one step, and is reproducible."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fxpar.testing import zoo
+from fxpar import zoo
 
 REQUIRED = {
     "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi", "phi3", "opt", "gpt_neox",

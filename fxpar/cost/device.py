@@ -36,5 +36,3 @@ class DeviceModel:
 H100 = DeviceModel("H100-SXM", flops=450e12, mem_bw=2.7e12, link_bw=25e9, link_latency=10e-6)
 # A CPU core running gloo: matters only for predicted bubbles in tests on this kind of machine.
 CPU = DeviceModel("CPU-core", flops=50e9, mem_bw=10e9, link_bw=2e9, link_latency=50e-6)
-
-DEVICES = {"h100": H100, "cpu": CPU}

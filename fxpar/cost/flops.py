@@ -25,37 +25,17 @@ from torch.utils import _pytree as pytree
 from torch.utils import flop_counter as fc
 
 from fxpar.ir import meta
+from fxpar.ir.analysis import grad_sources
 from fxpar.ir.meta import NodeCost
+from fxpar.ir.numeric import nbytes, to_int
+from fxpar.ir.op_classes import MOVE_OPS, VIEW_OPS
 from fxpar.ir.program import Program, subgraphs_of
 
 aten = torch.ops.aten
 
-_VIEWS = {
-    aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.slice, aten.select, aten.transpose,
-    aten.t, aten.permute, aten.unsqueeze, aten.squeeze, aten.alias, aten.detach, aten.as_strided,
-    aten.unflatten, aten.flatten, aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.narrow,
-    aten.contiguous, aten._assert_tensor_metadata, aten.lift_fresh_copy, aten.sym_size, aten.view_as,
-    aten.expand_as, aten.movedim, aten.diagonal, aten.unfold,
-}
-# data movement and creation: no arithmetic, but bytes
-_MOVES = {
-    aten.embedding, aten.index, aten.index_select, aten.gather, aten.cat, aten.stack, aten.clone, aten.copy,
-    aten.copy_, aten._to_copy, aten.to, aten.pad, aten.constant_pad_nd, aten.new_ones, aten.new_zeros,
-    aten.zeros, aten.ones, aten.full, aten.arange, aten.empty, aten.zeros_like, aten.ones_like,
-    aten.full_like, aten.scalar_tensor, aten.repeat, aten.repeat_interleave, aten.roll, aten.flip,
-    aten.masked_fill, aten.where, aten.index_put, aten.scatter,
-}
-
-
-def _int(x) -> int:
-    if isinstance(x, torch.SymInt):
-        hint = x.node.hint
-        return int(hint) if hint is not None else 1
-    return int(x)
-
 
 def _shape(t) -> tuple[int, ...]:
-    return tuple(_int(s) for s in t.shape)
+    return tuple(to_int(s, missing=1) for s in t.shape)  # an estimate: a size without a hint counts 1
 
 
 def _numel(t) -> int:
@@ -63,7 +43,7 @@ def _numel(t) -> int:
 
 
 def _nbytes(t) -> int:
-    return _numel(t) * t.element_size()
+    return nbytes(t, missing=1)
 
 
 def _tensors(x) -> list[torch.Tensor]:
@@ -95,9 +75,9 @@ def _matmul_flops(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 def _forward_flops(node: torch.fx.Node, args, kwargs, out) -> tuple[int, str]:
     """(forward FLOPs, kind); kind is 'matmul', 'attention', 'view', 'move' or 'elementwise'."""
     pkt = _packet(node.target)
-    if pkt in _VIEWS:
+    if pkt in VIEW_OPS:
         return 0, "view"
-    if pkt in _MOVES:
+    if pkt in MOVE_OPS:
         return 0, "move"
     if pkt is aten.linear:
         x, w = _shape(args[0]), _shape(args[1])
@@ -182,12 +162,5 @@ def _annotate(gm: torch.fx.GraphModule, grad_inputs: set[str] | None, grad_enabl
 
 def annotate_costs(program: Program) -> NodeCost:
     """Write ``fxpar.cost`` on every node of ``program``; return the whole forward+backward estimate."""
-    grad_inputs = {b.placeholder for b in program.inputs
-                   if b.kind == "parameter" and program.params[b.target].requires_grad}
-    for b in program.inputs:  # float user inputs may require grad too (e.g. inputs_embeds)
-        if b.kind == "user":
-            node = next(n for n in program.graph.nodes if n.name == b.placeholder)
-            v = node.meta.get(meta.VAL)
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
-                grad_inputs.add(b.placeholder)
-    return _annotate(program.gm, grad_inputs, True)
+    # float user inputs may require grad too (e.g. inputs_embeds)
+    return _annotate(program.gm, grad_sources(program, user_inputs=True), True)

@@ -22,6 +22,7 @@ import torch.fx
 from fxpar.cost.device import H100, DeviceModel
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
+from fxpar.ir.numeric import nbytes
 from fxpar.ir.program import Program, iter_nodes, subgraphs_of
 
 _SKIP = ("placeholder", "output", "get_attr")
@@ -106,11 +107,10 @@ def node_times(program: Program, device: DeviceModel) -> list[tuple[float, float
 
 
 def _nbytes(val) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+    """Bytes of a value: a tensor's, summed over tuples and lists, 0 for anything else."""
     if isinstance(val, (tuple, list)):
         return sum(_nbytes(v) for v in val)
-    return 0
+    return nbytes(val) or 0
 
 
 def crossing_bytes(program: Program) -> list[int]:

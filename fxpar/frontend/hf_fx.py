@@ -1,48 +1,31 @@
 """The second frontend: ``transformers.utils.fx`` (HFTracer), lowered into the same IR as ``export``.
 
-HFTracer exists only in transformers < 5 (and traces most decoders only before 4.48: from 4.48 on it
-fails with "co_varnames is too small"). :func:`capture_hf_fx` runs it and then lowers the torch-level
-fx graph it produces to ATen with ``torch.export.export(..., strict=False)``, so the result is an
+HFTracer exists only in transformers < 5, and traces most decoders only before 4.48
+(:mod:`fxpar.frontend.hf_fx_support` loads it). :func:`capture_hf_fx` runs it, then lowers the
+torch-level fx graph to ATen with ``torch.export.export(..., strict=False)``, so the result is an
 ``ExportedProgram`` of the same kind the ``export`` frontend gives:
 
-* parameters and buffers are lifted to placeholders whose ``graph_signature`` targets are the original
-  model's FQNs (``model.layers.0.self_attn.q_proj.weight``), with the original buffer persistence.
-  The GraphModule that is exported holds the model's own child modules (not HFTracer's partial copies),
-  so every parameter is there, used or not, exactly as when exporting the model itself. A tied weight
-  (``lm_head.weight`` is ``model.embed_tokens.weight``) gets one placeholder per FQN, both fed the same
-  tensor -- the same as the ``export`` frontend;
-* every ``call_function`` / ``get_attr`` node carries ``nn_module_stack`` naming the original module
-  hierarchy down to the innermost module, in torch.export's own format
-  (``{"L__self__": ("", "<root class>"), "L__self__model": ("model", "<class>"), ...}``). HFTracer
-  records the stack on each of its fx nodes; torch.export lowers a GraphModule by running it through
-  an fx ``Interpreter`` under ``torch.fx.traceback.preserve_node_meta()``, which copies that stack onto
-  every ATen node made from the fx node. Only the root entry is missing then (the exported root is a
-  GraphModule); it is added afterwards with the model's class;
-* inputs keep the call's structure: positional ``example_args`` stay positional, ``example_kwargs``
-  (non-tensor ones like ``use_cache=False`` included, as constant inputs) stay keyword arguments, so
-  ``ep.module()(**example_kwargs)`` works as it does for the ``export`` frontend. Non-tensor values are
-  baked into the trace (HFTracer ``concrete_args``); the graph is only valid for those values;
-* outputs have the model's own type: HFTracer's graph returns a plain dict, so a final node rebuilds
-  the ``ModelOutput`` class (e.g. ``CausalLMOutputWithPast`` with ``loss`` and ``logits``) that the
-  model's ``forward`` returned while being traced, and ``ep.call_spec.out_spec`` is that class.
+* parameters and buffers are lifted under the model's own FQNs with their original persistence: the
+  exported GraphModule holds the model's own child modules, so every parameter is there, used or not,
+  and a tied weight gets one placeholder per FQN, both fed the same tensor;
+* every ``call_function`` / ``get_attr`` node carries ``nn_module_stack`` in torch.export's format:
+  HFTracer's per-node stacks survive the lowering (``preserve_node_meta``); the root entry, missing
+  because the exported root is a GraphModule, is added afterwards with the model's class;
+* inputs keep the call's structure (``ep.module()(**example_kwargs)`` works); non-tensor values are
+  baked into the trace (HFTracer ``concrete_args``), so the graph is only valid for those values;
+* outputs have the model's own ``ModelOutput`` type, rebuilt from HFTracer's plain dict by a final node.
 
-What differs from the ``export`` frontend: the graph is HFTracer's (e.g. different but equivalent
-ATen ops for the same Python code, and ``model.training`` / non-tensor arguments are baked at trace
-time); stateless modules that the model creates inside ``forward`` (e.g. ``nn.CrossEntropyLoss()``)
-appear as submodules ``crossentropyloss_0`` of the exported root (HFTracer inserts them; they are
-removed again from the user's model), and tensor constants the model builds from Python data become
-``ep.constants`` entries named ``_tensor_constant<N>``. Capture facts are in
-``ep.graph_module.meta["fxpar.hf_fx"]``.
-
-Failures become :class:`~fxpar.ir.errors.TraceError` with ``frontend="hf_fx"``, ``module`` the FQN of
-the innermost module being traced (from the tracer's module stack), ``op`` the model-code line that
-failed, and a hint ending in "use frontend='export'".
+What differs from ``export``: the graph is HFTracer's (equivalent but different ATen ops;
+``model.training`` baked at trace time); stateless modules created inside ``forward``
+(``nn.CrossEntropyLoss()``) appear as submodules ``crossentropyloss_0`` of the exported root, and
+tensor constants built from Python data as ``ep.constants`` entries ``_tensor_constant<N>``. Capture
+facts are in ``ep.graph_module.meta["fxpar.hf_fx"]``. Failures become
+:class:`~fxpar.ir.errors.TraceError` with ``frontend="hf_fx"``, ``module`` the innermost module being
+traced, ``op`` the model-code line that failed, and a hint ending in "use frontend='export'".
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
 import re
 from typing import Any
@@ -51,121 +34,25 @@ import torch
 
 from fxpar.frontend.diagnose import locate
 from fxpar.frontend.export import dynamic_shapes_by_name
+from fxpar.frontend.hf_fx_support import FRONTEND, load, tracer_class, transformers_version, version_tuple
 from fxpar.ir.errors import TraceError
 
-FRONTEND = "hf_fx"
 META_KEY = "fxpar.hf_fx"
 _ROOT_KEY = "L__self__"  # torch.export's key for the root entry of nn_module_stack
 _CONSTANT_TYPES = (type(None), bool, int, float, str)
 
 
-
 # --------------------------------------------------------------------------------------------------
-# availability
-
-@functools.lru_cache(maxsize=1)
-def _load() -> tuple[Any, str]:
-    """(transformers.utils.fx module or None, reason it is unavailable or "")."""
-    try:
-        import transformers
-    except Exception as exc:  # not installed or broken
-        return None, (f"transformers cannot be imported ({type(exc).__name__}: {exc}); install "
-                      "transformers<4.48 or use frontend='export'")
-    version = getattr(transformers, "__version__", "?")
-    try:
-        from transformers.utils import fx as hf_fx_module
-        hf_fx_module.HFTracer  # noqa: B018 - the tracer itself is what we need
-    except Exception as exc:
-        if _version_tuple(version) >= (5, 0):
-            return None, (f"transformers {version} removed transformers.utils.fx (HFTracer exists only in "
-                          "transformers < 5); install transformers<4.48 or use frontend='export'")
-        return None, (f"transformers {version} has no usable transformers.utils.fx ({type(exc).__name__}: "
-                      f"{exc}); install transformers<4.48 or use frontend='export'")
-    return hf_fx_module, ""
-
+# availability (HFTracer is loaded by hf_fx_support)
 
 def available() -> bool:
     """Whether the installed transformers has ``transformers.utils.fx`` (HFTracer)."""
-    return _load()[0] is not None
+    return load()[0] is not None
 
 
 def unavailable_reason() -> str:
     """Why :func:`available` is False ("" when it is True)."""
-    return _load()[1]
-
-
-def _transformers_version() -> str:
-    try:
-        import transformers
-        return transformers.__version__
-    except Exception:
-        return "?"
-
-
-def _version_tuple(v: str) -> tuple[int, int]:
-    parts = []
-    for p in v.split(".")[:2]:
-        digits = "".join(ch for ch in p if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts + [0] * (2 - len(parts)))  # type: ignore[return-value]
-
-
-# --------------------------------------------------------------------------------------------------
-# the tracer
-
-@functools.lru_cache(maxsize=1)
-def _tracer_class():
-    hf_fx_module, reason = _load()
-    if hf_fx_module is None:
-        raise TraceError("the hf_fx frontend is not available", frontend=FRONTEND, hint=reason)
-
-    class FxparHFTracer(hf_fx_module.HFTracer):
-        """HFTracer that remembers what fxpar needs and cleans up after a failure.
-
-        ``failed_module``: FQN of the innermost module whose forward raised (None: no module, i.e.
-        the root). ``output_type``: the type the root ``forward`` returned (a ModelOutput class).
-        """
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.failed_module: str | None = None
-            self.output_type: type | None = None
-
-        def call_module(self, m, forward, args, kwargs):
-            try:
-                return super().call_module(m, forward, args, kwargs)
-            except Exception:
-                if self.failed_module is None and not getattr(self, "_disable_call_module", False):
-                    try:
-                        self.failed_module = self.path_of_module(m)
-                    except Exception:
-                        stack = getattr(self, "module_stack", None)
-                        self.failed_module = next(reversed(stack.values()))[0] if stack else ""
-                raise
-
-        def create_args_for_root(self, root_fn, is_module, concrete_args=None):
-            fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
-
-            @functools.wraps(fn)
-            def recording(*a, **kw):
-                out = fn(*a, **kw)
-                self.output_type = type(out)
-                return out
-
-            return recording, args
-
-        @contextlib.contextmanager
-        def patch_for_tracing(self, root):
-            # HFTracer's own context manager restores torch.arange & co. only when tracing succeeds;
-            # after a failure they would stay patched for the whole process. Always restore them.
-            cm = super().patch_for_tracing(root)
-            cm.__enter__()
-            try:
-                yield
-            finally:
-                cm.__exit__(None, None, None)
-
-    return FxparHFTracer
+    return load()[1]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -179,9 +66,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _trace_error(model: torch.nn.Module, exc: BaseException, module: str | None) -> TraceError:
-    version = _transformers_version()
+    version = transformers_version()
     text = f"{type(exc).__name__}: {exc}"
-    if _version_tuple(version) >= (4, 48):
+    if version_tuple(version) >= (4, 48):
         hint = (f"HFTracer in transformers {version} cannot trace most models (it works on 4.47 and "
                 "before); install transformers<4.48 or use frontend='export'")
     elif "symbolically traced variables cannot be used as inputs to control flow" in text:
@@ -274,8 +161,8 @@ def _bind(model: torch.nn.Module, example_args: tuple, example_kwargs: dict) -> 
 
 def _trace(model: torch.nn.Module, values: dict) -> tuple[torch.fx.Graph, Any, bool]:
     """Run HFTracer: (graph, the tracer, whether the model is outside HFTracer's supported list)."""
-    hf_fx_module, _ = _load()
-    tracer_cls = _tracer_class()
+    hf_fx_module, _ = load()
+    tracer_cls = tracer_class()
     sig = inspect.signature(model.forward)
     inputs = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
     concrete = {p.name: p.default for p in sig.parameters.values() if p.name not in inputs}
@@ -431,7 +318,7 @@ def capture_hf_fx(model: torch.nn.Module, example_args: tuple = (), example_kwar
     _fix_module_stacks(ep, model, inserted)
     output_type = tracer.output_type
     ep.graph_module.meta[META_KEY] = {
-        "transformers": _transformers_version(),
+        "transformers": transformers_version(),
         "disable_check": needs_disable_check,
         "output_type": (f"{output_type.__module__}.{output_type.__qualname__}" if output_type else None),
         "inserted_modules": inserted,

@@ -1,4 +1,9 @@
-"""Errors fxpar raises. Each message names the module, the numbers and the fix."""
+"""Errors fxpar raises. Each message names the module, the numbers and the fix.
+
+Every class lives here, in the vocabulary layer, so that any layer can raise or catch any of them
+without importing the layer that raises it (the CLI catches :class:`PlanError` from the planner and
+:class:`CollectiveError` from the runtime alike).
+"""
 
 from __future__ import annotations
 
@@ -33,4 +38,52 @@ class TraceError(FxparError):
 
 
 class PlanError(FxparError):
-    """A plan that cannot be carried out on this model or world (raised before any communication)."""
+    """A plan that cannot be carried out on this model or world (raised before any communication).
+
+    Optional, shaped like :class:`TraceError`: ``module`` the FQN the problem is about, ``values`` the
+    numbers that disagree (e.g. ``{"heads": 6, "tp": 4}``), ``fix`` what to change. Each one given is
+    appended to the message on its own line; with none given the message is exactly ``message``.
+    """
+
+    def __init__(self, message: str, *, module: str | None = None, values: dict | None = None,
+                 fix: str | None = None):
+        self.module = module
+        self.values = values
+        self.fix = fix
+        parts = [message]
+        if module is not None:
+            parts.append(f"module: {module or '<root>'}")
+        if values:
+            parts.append("values: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+        if fix:
+            parts.append(f"fix: {fix}")
+        super().__init__("\n  ".join(parts))
+
+
+class CollectiveError(FxparError):
+    """A collective that cannot run (bad shapes, unknown group, not a member) or that failed or timed
+    out. ``op`` is the fxpar op, ``group`` the group's name, ``sizes`` the shapes involved."""
+
+    def __init__(self, message: str, *, op: str, group: str, sizes=None):
+        self.op = op
+        self.group = group
+        self.sizes = sizes
+        super().__init__(f"fxpar.{op} on group {group!r}: {message}")
+
+
+class PipelineError(FxparError):
+    """The pipeline runtime cannot go on: a message a rank waits for never comes (a peer failed or the
+    schedules disagree), a message arrived that nothing reads, or a schedule left work undone. The
+    message names this rank, the peer and the stage/microbatch involved."""
+
+
+class PassError(FxparError):
+    """A compiler pass failed with an error that is not already an :class:`FxparError`.
+
+    ``pass_name`` is the failing pass, ``done`` the passes that ran before it, in order (the message
+    says both, as torch.fx's ``PassManager`` does)."""
+
+    def __init__(self, message: str, *, pass_name: str, done: list[str] | None = None):
+        self.pass_name = pass_name
+        self.done = list(done or [])
+        super().__init__(message)

@@ -13,7 +13,7 @@ key                    value
 ``fxpar.param``        on placeholders bound to a parameter or buffer: its canonical FQN
 ``fxpar.cost``         :class:`fxpar.ir.meta.NodeCost`: estimated forward FLOPs and bytes
 ``fxpar.placement``    tuple of torch placements (``Shard(d)``, ``Replicate()``, ``Partial()``), one per mesh axis
-``fxpar.stage``        pipeline stage index that runs the node
+``fxpar.zero3_bucket`` on a ZeRO-3 gather: the key of the parameter bucket it gathers
 =====================  ==========================================================================
 """
 
@@ -27,7 +27,7 @@ MODULE = "fxpar.module"
 PARAM = "fxpar.param"
 COST = "fxpar.cost"
 PLACEMENT = "fxpar.placement"
-STAGE = "fxpar.stage"
+ZERO3_BUCKET = "fxpar.zero3_bucket"
 
 
 @dataclass(frozen=True)

@@ -70,3 +70,17 @@ class PipelineProgram:
 
     def stages_of(self, rank: int) -> list[StageSpec]:
         return [s for s in self.stages if s.rank == rank]
+
+
+@dataclass
+class CompileResult:
+    """One input signature compiled for one rank: everything ``compile`` produced, typed, holding no
+    process group. The runtime executes it; inspection, checkpoints and the cost model read it."""
+
+    traced: object  # the Program as traced (before any pass): the cost model prices it
+    program: object  # the Program after the program passes (TP)
+    pipeline: PipelineProgram
+    tp: object = None  # the TP pass's result (TpResult: which parameters it sharded, their layouts)
+    zero3_buckets: dict[int, list] = field(default_factory=dict)  # stage -> its ZeRO-3 buckets
+    predicted: dict = field(default_factory=dict)  # step time, bubble, device (fxpar.cost.predict)
+    timings: list[tuple[str, float]] = field(default_factory=list)  # (pass, seconds) in the order run

@@ -43,21 +43,17 @@ Usage in a test module::
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import multiprocessing
 import os
-import signal
 import sys
 import tempfile
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from multiprocessing.connection import wait
 from typing import Any
 
-from fxpar.testing import _rankworker
+from fxpar.testing import _rankreplies, _rankworker
 
 __all__ = [
     "RankFailure",
@@ -75,8 +71,6 @@ __all__ = [
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "fxpar.testing.multiproc"]
 if importlib.util.find_spec("transformers") is not None:
     _PRELOAD.append("transformers")
-
-_OUTPUT_TAIL_CHARS = 4000
 
 
 def set_preload(modules: Sequence[str]) -> None:
@@ -129,43 +123,6 @@ class RankFailure(RuntimeError):
 
 class RankTimeout(RankFailure):
     """No rank failed, but ``unanswered`` ranks had not answered within the timeout."""
-
-
-@dataclasses.dataclass
-class _Replies:
-    """One round of answers: values, (summary, traceback) of raising ranks, exit codes
-    of dead ranks, and the ranks that did not answer in time."""
-
-    ok: dict[int, Any]
-    errors: dict[int, tuple[str, str]]
-    exit_codes: dict[int, int | None]
-    pending: set[int]
-
-    @property
-    def complete(self) -> bool:
-        return not (self.errors or self.exit_codes or self.pending)
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "exit code unknown"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name} (exit code {code})"
-        except ValueError:
-            pass
-    return f"exit code {code}"
-
-
-def _fmt_ranks(ranks) -> str:
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _fn_name(fn) -> str:
-    if isinstance(fn, str):
-        return fn
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
 class RankPool:
@@ -275,7 +232,7 @@ class RankPool:
             w.send(message)
         replies = self._collect(timeout)
         if not replies.complete:
-            raise self._fail(f"running {_fn_name(fn)}", timeout, replies)
+            raise self._fail(f"running {_rankreplies.fn_name(fn)}", timeout, replies)
         self._echo({w.rank: w.new_output() for w in self._workers})
         return [replies.ok[r] for r in range(self.world_size)]
 
@@ -327,33 +284,16 @@ class RankPool:
         if not replies.complete:
             raise self._fail(f"starting the {self.backend} process group", self.start_timeout, replies)
 
-    def _collect(self, timeout: float) -> _Replies:
-        """Wait for one answer from each rank (see :mod:`._rankworker`). After the
-        first failure the other ranks only get ``failure_grace`` more seconds. Tears the
+    def _collect(self, timeout: float) -> _rankreplies.Replies:
+        """Wait for one answer from each rank (:func:`._rankreplies.collect`); tears the
         pool down if interrupted (KeyboardInterrupt, pytest-timeout)."""
-        replies = _Replies({}, {}, {}, set(range(self.world_size)))
-        deadline = time.monotonic() + timeout
         try:
-            while replies.pending and (remaining := deadline - time.monotonic()) > 0:
-                by_conn = {self._workers[r].conn: r for r in replies.pending}
-                for conn in wait(list(by_conn), remaining):
-                    r = by_conn[conn]
-                    replies.pending.discard(r)
-                    kind, *payload = self._workers[r].receive()
-                    if kind == "ok":
-                        replies.ok[r] = payload[0]
-                    elif kind == "died":
-                        replies.exit_codes[r] = payload[0]
-                    else:
-                        replies.errors[r] = tuple(payload)
-                if replies.errors or replies.exit_codes:
-                    deadline = min(deadline, time.monotonic() + self.failure_grace)
+            return _rankreplies.collect(self._workers, self.world_size, timeout, self.failure_grace)
         except BaseException:
             self._teardown()
             raise
-        return replies
 
-    def _fail(self, what: str, timeout: float, replies: _Replies) -> RankFailure:
+    def _fail(self, what: str, timeout: float, replies: _rankreplies.Replies) -> RankFailure:
         """Dump the stacks of ranks still running, tear the pool down, and describe it all."""
         if self.capture_output and replies.pending:
             _rankworker.dump_stacks([self._workers[r] for r in replies.pending])
@@ -361,36 +301,13 @@ class RankPool:
         self._teardown()
         self._echo(outputs)
 
-        errors, exit_codes, pending = replies.errors, replies.exit_codes, replies.pending
-        failed = sorted(errors.keys() | exit_codes.keys())
-        n = self.world_size
-        if failed:
-            first = min(exit_codes) if exit_codes else failed[0]  # a dead rank is the likely cause
-            what_first = errors[first][0] if first in errors else "died, " + _describe_exit(exit_codes[first])
-            lines = [f"{_fmt_ranks(failed)} of {n} failed {what}; rank {first}: {what_first}"]
-        else:
-            lines = [f"timed out after {timeout:g} s {what}: {_fmt_ranks(pending)} of {n} had not answered"]
-        lines += [f"  rank {r}: raised {errors[r][0]}" for r in sorted(errors)]
-        lines += [f"  rank {r}: died, {_describe_exit(exit_codes[r])}" for r in sorted(exit_codes)]
-        if pending:
-            limit = f"{self.failure_grace:g} s after the failure" if failed else f"{timeout:g} s"
-            lines.append(f"  {_fmt_ranks(pending)}: no answer within {limit}; killed")
-        if replies.ok:
-            lines.append(f"  {_fmt_ranks(replies.ok)}: answered")
-        lines.append("The pool was torn down; the next run() restarts it.")
-        lines += [f"\n---- rank {r} traceback ----\n{errors[r][1].rstrip()}" for r in sorted(errors)]
-        for r in sorted(errors.keys() | exit_codes.keys() | pending):
-            if outputs[r].strip():
-                label = "output and stacks" if r in pending else "output"
-                lines.append(
-                    f"\n---- rank {r} {label} (tail) ----\n{outputs[r][-_OUTPUT_TAIL_CHARS:].rstrip()}"
-                )
-        return (RankFailure if failed else RankTimeout)(
-            "\n".join(lines),
-            failures={r: tb for r, (_, tb) in errors.items()},
-            exit_codes=exit_codes,
-            unanswered=pending,
-            results=[replies.ok.get(r) for r in range(n)],
+        message = _rankreplies.failure_message(what, timeout, replies, outputs, self.world_size, self.failure_grace)
+        return (RankFailure if replies.errors or replies.exit_codes else RankTimeout)(
+            message,
+            failures={r: tb for r, (_, tb) in replies.errors.items()},
+            exit_codes=replies.exit_codes,
+            unanswered=replies.pending,
+            results=[replies.ok.get(r) for r in range(self.world_size)],
         )
 
     def _echo(self, outputs: dict[int, str]) -> None:

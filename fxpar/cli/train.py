@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from fxpar.cli.models import load_model
+
 
 def batches(data: str, vocab: int, batch: int, seq: int, seed: int):
     """Endless (step, input_ids) pairs: random tokens, or windows over a text file's bytes."""
@@ -45,7 +47,6 @@ def _bar(done: int, total: int, width: int = 20) -> str:
 def run(args) -> int:
     import fxpar
     from fxpar import checkpoint
-    from fxpar.cli import load_model
     from fxpar.launch import init_distributed
 
     rank, world, device = init_distributed()

@@ -6,9 +6,9 @@ times the compiler wrote on each stage) and node ``val`` for boundary tensors.
 
 from __future__ import annotations
 
-from fxpar.inspect.graph import describe_val
-from fxpar.inspect.table import columns, human
 from fxpar.ir.stage import PipelineProgram, StageSpec
+from fxpar.report.graph import describe_val
+from fxpar.report.table import columns, human
 
 
 def _boundary(stage: StageSpec) -> list[str]:

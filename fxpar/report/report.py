@@ -7,12 +7,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fxpar.inspect.collectives import collective_rows, format_collective_rows
-from fxpar.inspect.graph import graph_text, module_text, partition_dot, write_dot, write_picture
-from fxpar.inspect.stages import format_stage_table, stage_rows
-from fxpar.inspect.table import ModuleRow, format_rows, human, module_rows, select_rows
 from fxpar.ir import meta
 from fxpar.ir.program import Program
+from fxpar.report.collectives import collective_rows, format_collective_rows
+from fxpar.report.graph import graph_text, module_text, partition_dot, write_dot, write_picture
+from fxpar.report.stages import format_stage_table, stage_rows
+from fxpar.report.table import ModuleRow, format_rows, human, module_rows, select_rows
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Report:
         if c.plan.zero == 3:
             buckets = [{"stage": s, "params": len(b.names), "first": b.names[0], "bytes": b.shard_numel * c.dp *
                         b.shard.element_size(), "shard_bytes": b.shard_numel * b.shard.element_size()}
-                       for s, bs in sorted(c._zero3_buckets.items()) for b in bs]
+                       for s, bs in sorted(c.zero3_buckets.items()) for b in bs]
             fwd = sum(b["bytes"] for b in buckets)
             comm = {"all_gather (forward)": fwd, "all_gather (backward)": fwd, "reduce_scatter": fwd}
         else:

@@ -16,6 +16,10 @@ Design decisions:
 - ``build_schedule`` validates the inputs first (``validate``) and checks every order it returns for
   completeness and, with ``simulate``, for deadlock, so a torch version that changes its generators cannot
   hand the runtime an order that hangs.
+- The module is pure (no process group, no device): the runtime executes these orders, the cost model and
+  the planner price them, and the feasibility checks call ``validate``; so it sits in ``ir`` where all of
+  them can import it. ``simulate`` stays beside the generators because ``build_schedule`` uses it to
+  prove every order deadlock-free.
 """
 
 from __future__ import annotations

@@ -8,40 +8,33 @@ one flat shard parameter ``_zero3.<i>`` on the module (this rank's 1/dp of the b
 and per parameter a slice + view of the gathered bucket replacing its ``get_attr``. The gather is
 placed ``prefetch`` buckets ahead of its first use (0: just before it), so it can be issued while the
 previous bucket computes. Buffers stay whole. The runtime frees the gathered bucket after its last
-forward use and gathers it again for backward (``fxpar.runtime.data_parallel.regather_for_backward``).
+forward use and gathers it again for backward (``fxpar.runtime.zero3.Zero3Regather``).
+
+ZeRO-3 is this pass and ``fxpar.runtime.zero3``, nothing else. A bucket's flat layout is
+:class:`~fxpar.ir.buckets.FlatBucket`, the same one DDP and ZeRO-1/2 use for their gradient buckets.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.fx
 
+from fxpar.ir import meta
+from fxpar.ir.buckets import FlatBucket
+from fxpar.ir.ops import gather_params_op
 from fxpar.ir.program import layer_of
-from fxpar.runtime import ops as fxops
 
 aten = torch.ops.aten
 
 
-class Zero3Bucket:
-    """One bucket: parameter FQNs, shapes, offsets in the flat tensor, and this rank's shard."""
+class Zero3Bucket(FlatBucket):
+    """One bucket: the flat layout of its parameters (FQNs, shapes, offsets) and this rank's shard."""
 
     def __init__(self, names: list[str], tensors: list[torch.Tensor], dp: int, rank: int):
-        self.names = names
-        self.shapes = [tuple(t.shape) for t in tensors]
-        self.numels = [t.numel() for t in tensors]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(names))]
-        self.numel = sum(self.numels)
-        self.shard_numel = math.ceil(self.numel / dp)
-        flat = torch.zeros(self.shard_numel * dp, dtype=tensors[0].dtype, device=tensors[0].device)
-        for t, off, n in zip(tensors, self.offsets, self.numels):
-            flat[off:off + n] = t.detach().reshape(-1)
-        self.shard = torch.nn.Parameter(flat[rank * self.shard_numel:(rank + 1) * self.shard_numel].clone(),
-                                        requires_grad=any(t.requires_grad for t in tensors))
-
-    def unflatten(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {n: full[o:o + k].view(s) for n, o, k, s in zip(self.names, self.offsets, self.numels, self.shapes)}
+        super().__init__(names, [t.shape for t in tensors], dp)
+        flat = self.flatten(tensors, dtype=tensors[0].dtype, device=tensors[0].device)
+        lo, hi = self.shard_range(rank)
+        self.shard = torch.nn.Parameter(flat[lo:hi].clone(), requires_grad=any(t.requires_grad for t in tensors))
 
 
 def buckets_of(names: list[str], tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
@@ -94,12 +87,12 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
         anchor = gathers[-prefetch] if prefetch and len(gathers) >= prefetch else None
         with graph.inserting_before(first_use if anchor is None else anchor.next):
             shard = graph.get_attr(attr)
-            full = graph.call_function(fxops.gather_params_op(), (shard, group, 0, compute_dtype))
-            full.meta["fxpar.zero3_bucket"] = key
+            full = graph.call_function(gather_params_op(), (shard, group, 0, compute_dtype))
+            full.meta[meta.ZERO3_BUCKET] = key
         # shapes on the new nodes (meta tensors), as every other node carries them
-        shard.meta["val"] = torch.empty_like(bucket.shard, device="meta")
+        shard.meta[meta.VAL] = torch.empty_like(bucket.shard, device="meta")
         dtype = compute_dtype or bucket.shard.dtype
-        full.meta["val"] = torch.empty(bucket.shard_numel * dp, dtype=dtype, device="meta")
+        full.meta[meta.VAL] = torch.empty(bucket.shard_numel * dp, dtype=dtype, device="meta")
         gathers.append(full)
         with graph.inserting_after(full):
             cursor = full
@@ -108,9 +101,9 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
                     piece = graph.call_function(aten.slice.Tensor, (full, 0, off, off + k))
                 with graph.inserting_after(piece):
                     view = graph.call_function(aten.view.default, (piece, list(shape)))
-                piece.meta["val"] = torch.empty(k, dtype=dtype, device="meta")
-                view.meta["val"] = torch.empty(shape, dtype=dtype, device="meta")
-                for m in ("fxpar.module", "nn_module_stack"):
+                piece.meta[meta.VAL] = torch.empty(k, dtype=dtype, device="meta")
+                view.meta[meta.VAL] = torch.empty(shape, dtype=dtype, device="meta")
+                for m in (meta.MODULE, meta.NN_MODULE_STACK):
                     if m in getters[name].meta:
                         view.meta[m] = getters[name].meta[m]
                 cursor = view

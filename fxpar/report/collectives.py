@@ -7,9 +7,9 @@ from collections import defaultdict
 
 import torch
 
-from fxpar.inspect.table import human
+from fxpar.cost.comm import collective_events
 from fxpar.ir.program import layer_of
-from fxpar.runtime.ops import collective_events
+from fxpar.report.table import human
 
 
 def collective_rows(gm: torch.fx.GraphModule) -> list[dict]:

@@ -17,9 +17,9 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from fxpar.inspect.table import human
 from fxpar.ir import meta
 from fxpar.ir.program import Program, iter_nodes
+from fxpar.report.table import human
 
 _DTYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
           torch.int64: "i64", torch.int32: "i32", torch.bool: "b8", torch.int8: "i8", torch.uint8: "u8"}

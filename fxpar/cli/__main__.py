@@ -1,0 +1,5 @@
+import sys
+
+from fxpar.cli import main
+
+sys.exit(main())

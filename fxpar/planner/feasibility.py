@@ -1,0 +1,99 @@
+"""Every check that must pass before any rank communicates, as pure functions of the plan, the world,
+the example batch and the optimizer. ``fxpar.compile`` calls them in this order; ``fxpar plan`` and a
+planner call the same ones to explain why a plan cannot run.
+
+Each raises :class:`~fxpar.ir.errors.PlanError` naming the numbers and the fix.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from fxpar.ir import schedule as sched
+from fxpar.ir.batch import traced_batch
+from fxpar.ir.errors import PlanError
+from fxpar.ir.optim import check_optimizer
+from fxpar.ir.plan import Plan
+
+
+@dataclass(frozen=True)
+class PipelineSetup:
+    """How a plan runs its pipeline for one global batch: resolved defaults, checked."""
+
+    schedule: str  # canonical schedule name
+    n_stages: int  # pp x stages per rank
+    microbatches: int  # per data-parallel replica
+    batch: int  # the global batch
+    dp: int
+    stage_to_rank: tuple[int, ...]
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch // (self.microbatches * self.dp)
+
+
+def check_world(plan: Plan, world: int) -> None:
+    if plan.world_size != world:
+        raise PlanError(f"plan dp={plan.dp} x pp={plan.pp} x tp={plan.tp} needs {plan.world_size} ranks, but the "
+                        f"world has {world}; launch with torchrun --nproc_per_node {plan.world_size} or "
+                        "change the degrees")
+
+
+def check_optimizer_factory(plan: Plan, optimizer) -> None:
+    """Data parallelism needs the optimizer; ZeRO refuses one it cannot shard (tried on a dummy)."""
+    if (plan.dp > 1 or plan.zero) and optimizer is None:
+        raise PlanError("data parallelism and ZeRO need the optimizer: pass optimizer=lambda params: ...")
+    if plan.zero and optimizer is not None:
+        check_optimizer(optimizer([torch.nn.Parameter(torch.zeros(1))]), plan.zero)
+
+
+def warn_zero_with_pipeline(plan: Plan) -> None:
+    if plan.zero >= 2 and plan.pp > 1:
+        cost = ("gathers every parameter bucket again for each microbatch's forward and backward" if plan.zero == 3
+                else "holds full gradients while the microbatches accumulate (its saving starts after the last)")
+        warnings.warn(f"ZeRO-{plan.zero} with pipeline parallelism {cost}; ZeRO-1 is the usual choice with "
+                      "pp > 1", stacklevel=4)
+
+
+def pipeline_setup(plan: Plan, batch: int) -> PipelineSetup:
+    """Schedule, stage count and microbatches for a global ``batch``; checks that they fit together."""
+    name = sched.normalize_schedule(plan.schedule)
+    n_stages = plan.pp * sched.stages_per_rank(name, plan.virtual_stages)
+    m = plan.microbatches or n_stages
+    if batch % (m * plan.dp):
+        raise PlanError(f"batch of {batch} does not divide into {m} microbatches; global batch = "
+                        f"microbatch size x microbatches x dp ({plan.dp}): pick a batch that is a multiple "
+                        f"of {m * plan.dp} or another number of microbatches")
+    sched.validate(name, plan.pp, m, n_stages)
+    return PipelineSetup(name, n_stages, m, batch, plan.dp, tuple(sched.stage_to_rank(name, plan.pp, n_stages)))
+
+
+def check_program(program, model, setup: PipelineSetup) -> None:
+    """A program given to compile must be a trace of this model on one microbatch."""
+    per, dp = setup.microbatch_size, setup.dp
+    if program.root is not model or traced_batch(program) != per:
+        raise PlanError(f"the program passed to compile must be fxpar.trace of this model on one microbatch "
+                        f"({per} of the batch of {setup.batch}: {setup.microbatches} microbatches "
+                        f"x dp={dp}); it was traced on {traced_batch(program)}")
+
+
+def check_split_points(cuts: list, plan: Plan, n_stages: int) -> None:
+    if len(cuts) != n_stages - 1:
+        raise PlanError(f"{len(cuts)} split points make {len(cuts) + 1} stages, but the plan "
+                        f"has pp={plan.pp} x {n_stages // plan.pp} stages per rank = "
+                        f"{n_stages}; give {n_stages - 1} split points")
+
+
+def check_zero3_ties(plan: Plan, tied_across_ranks: list[str]) -> None:
+    if plan.zero == 3 and tied_across_ranks:
+        raise PlanError(f"ZeRO-3 shards each stage's parameters on their own, so weights tied across pipeline "
+                        f"ranks ({tied_across_ranks}) would drift apart; use zero=1 or 2 with "
+                        "this plan, or place the tied layers on one pipeline rank")
+
+
+def tied_across_ranks(pipeline, stage_to_rank) -> list[str]:
+    """Canonical FQNs of parameters held by stages on different pipeline ranks (sorted)."""
+    return [fqn for fqn, stages in sorted(pipeline.tied.items()) if len({stage_to_rank[s] for s in stages}) > 1]

@@ -1,0 +1,31 @@
+"""The embedding rule: a vocabulary-parallel table looks up the ids it holds and yields a partial sum."""
+
+from __future__ import annotations
+
+import torch
+
+from fxpar.ir import meta
+from fxpar.ir.placement import Partial, Shard
+from fxpar.passes.tensor_parallel.rules.registry import rule
+
+aten = torch.ops.aten
+
+
+@rule(aten.embedding)
+def embedding(rw, old, args, kwargs):
+    """Table ``Shard(1)`` (hidden features): ``Shard(-1)`` out. ``Shard(0)`` (vocabulary): a masked local
+    lookup, zero for ids other ranks hold, ``Partial()`` out. Replicated table: replicated out."""
+    w, ids = args[0], args[1]
+    if rw.shard_dim(w) == 1:  # embedding_colwise: each rank looks up its hidden features
+        return rw.call(old.target, args, kwargs, like=old, place=Shard(rw.ndim(old) - 1))
+    if rw.shard_dim(w) != 0:
+        return rw.call(old.target, args, kwargs, like=old)
+    vocab = old.args[0].meta[meta.VAL].shape[0]
+    per = vocab // rw.tp
+    lo, hi = rw.rank * per, (rw.rank + 1) * per
+    outside = rw.call(aten.__or__.Tensor, (rw.call(aten.lt.Scalar, (ids, lo), like=old),
+                                           rw.call(aten.ge.Scalar, (ids, hi), like=old)), like=old)
+    local = rw.call(aten.masked_fill.Scalar, (rw.call(aten.sub.Tensor, (ids, lo), like=old), outside, 0), like=old)
+    out = rw.call(old.target, (w, local, *args[2:]), kwargs, like=old)
+    return rw.call(aten.masked_fill.Scalar, (out, rw.call(aten.unsqueeze.default, (outside, -1), like=old), 0.0),
+                   like=old, place=Partial())

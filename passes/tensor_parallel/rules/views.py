@@ -1,0 +1,168 @@
+"""Rules for ops that move, merge or cut dims: reshapes, transposes, permutes, flatten, expand, splits
+and their pieces, cat and advanced indexing. A shard follows its dim; the sizes an op names at the
+sharded dim become local ones; where a shard cannot follow, the input is gathered."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from fxpar.ir import meta
+from fxpar.ir.op_classes import RESHAPES, SPLITS, packet
+from fxpar.ir.placement import Replicate, as_placement
+from fxpar.passes.tensor_parallel.layouts import (
+    reshape_dim,
+    slice_bounds,
+    split_args,
+    split_dim,
+    transpose_map,
+)
+from fxpar.passes.tensor_parallel.rules.pointwise import pointwise_or_gather
+from fxpar.passes.tensor_parallel.rules.registry import rule
+
+aten = torch.ops.aten
+
+
+@rule(*RESHAPES)
+def view(rw, old, args, kwargs):
+    """A shard of a merged dim moves to its leading factor; the size named there becomes the local one."""
+    x = args[0]
+    d = rw.shard_dim(x)
+    if d is None:
+        return rw.call(old.target, args, kwargs, like=old)
+    src = tuple(old.args[0].meta[meta.VAL].shape)
+    dst = tuple(old.meta[meta.VAL].shape)
+    od = reshape_dim(src, dst, d)
+    if od is None or dst[od] % rw.tp:
+        x = rw.replicate(x, old.args[0])
+        return rw.call(old.target, (x, *args[1:]), kwargs, like=old)
+    sizes = list(args[1])
+    if sizes[od] != -1:
+        sizes[od] = dst[od] // rw.tp
+    return rw.call(old.target, (x, sizes, *args[2:]), kwargs, like=old, place=as_placement(od))
+
+
+@rule(aten.transpose)
+def transpose(rw, old, args, kwargs):
+    """The shard moves with its dim."""
+    return rw.keep(old, args, kwargs, transpose_map(old.args[1], old.args[2], rw.ndim(old)))
+
+
+@rule(aten.numpy_T, aten.t)
+def t(rw, old, args, kwargs):
+    """Every dim reversed: the shard with it."""
+    return rw.keep(old, args, kwargs, lambda d: rw.ndim(old) - 1 - d)
+
+
+@rule(aten.permute)
+def permute(rw, old, args, kwargs):
+    """The shard moves to where the permutation puts its dim."""
+    perm = [p % rw.ndim(old) for p in old.args[1]]
+    return rw.keep(old, args, kwargs, lambda d: perm.index(d))
+
+
+@rule(aten.unsqueeze)
+def unsqueeze(rw, old, args, kwargs):
+    """A shard at or after the new dim moves one right."""
+    u = old.args[1] % rw.ndim(old)
+    return rw.keep(old, args, kwargs, lambda d: d + 1 if d >= u else d)
+
+
+@rule(aten.flatten)
+def flatten(rw, old, args, kwargs):
+    """flatten(start, end) keeps a shard outside the range, or on its first dim (the leading factor)."""
+    d = rw.shard_dim(args[0])
+    if d is None:
+        return rw.call(old.target, args, kwargs, like=old)
+    nd = rw.ndim(old.args[0])
+    start = (args[1] if len(args) > 1 else 0) % nd
+    end = (args[2] if len(args) > 2 else -1) % nd
+    if start < d <= end:
+        return rw.call(old.target, (rw.replicate(args[0], old.args[0]), *args[1:]), kwargs, like=old)
+    return rw.call(old.target, args, kwargs, like=old, place=as_placement(d - (end - start) if d > end else d))
+
+
+@rule(aten.expand, aten.broadcast_to)
+def expand(rw, old, args, kwargs):
+    """expand keeps the shard; the size it names at the sharded dim becomes the local one."""
+    x = args[0]
+    if rw.shard_dim(x) is None:
+        return pointwise_or_gather(rw, old, args, kwargs)
+    d = rw.shard_dim(x) + rw.ndim(old) - rw.ndim(old.args[0])
+    sizes = list(args[1])
+    if sizes[d] not in (-1, 1):
+        sizes[d] = sizes[d] // rw.tp
+    return rw.call(old.target, (x, sizes, *args[2:]), kwargs, like=old, place=as_placement(d))
+
+
+@rule(aten.slice)
+def slice_(rw, old, args, kwargs):
+    """A slice of a sharded value: as a split (below); of a replicated one, the fallback."""
+    if rw.shard_dim(args[0]) is None:
+        return pointwise_or_gather(rw, old, args, kwargs)
+    return split(rw, old, args, kwargs)
+
+
+@rule(*SPLITS)
+def split(rw, old, args, kwargs):
+    """chunk/split/split_with_sizes/slice. Along another dim than the shard: the shard stays. Along
+    the shard of a fused projection cut part by part: local pieces, no communication. Along any
+    other shard: gathered first."""
+    x = args[0]
+    d = rw.shard_dim(x)
+    if d is None:
+        return rw.call(old.target, args, kwargs, like=old)
+    nd = rw.ndim(old.args[0])
+    dim = split_dim(old) % nd
+    if dim != d:
+        return rw.call(old.target, args, kwargs, like=old, place=as_placement(d))
+    if old not in rw.packed_splits:
+        x = rw.replicate(x, old.args[0])
+        return rw.call(old.target, (x, *args[1:]), kwargs, like=old)
+    pkt = packet(old)
+    size = old.args[0].meta[meta.VAL].shape[dim]
+    given = split_args(old)
+    if pkt is aten.chunk:
+        local = (x, given["chunks"], dim)
+    elif pkt is aten.split:
+        local = (x, given["split_size"] // rw.tp, dim)
+    elif pkt is aten.split_with_sizes:
+        local = (x, [s // rw.tp for s in given["split_sizes"]], dim)
+    else:  # slice
+        start, end = slice_bounds(given, size)
+        local = (x, dim, start // rw.tp, end // rw.tp)
+    return rw.call(old.target, local, {}, like=old, place=as_placement(d))
+
+
+@rule(operator.getitem)
+def getitem(rw, old, args, kwargs):
+    """A piece of a split keeps the split's shard; anything else taken from a tuple is replicated."""
+    src = args[0]
+    place = rw.place.get(src, Replicate()) if packet(src) in SPLITS else Replicate()
+    return rw.call(old.target, args, kwargs, like=old, place=place)
+
+
+@rule(aten.cat)
+def cat(rw, old, args, kwargs):
+    """cat along another dim than a shard shared by every input keeps it; else replicate."""
+    parts, olds = list(args[0]), list(old.args[0])
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % rw.ndim(old)
+    shards = {rw.shard_dim(p) for p in parts}
+    if len(shards) == 1 and None not in shards and dim not in shards:
+        return rw.call(old.target, args, kwargs, like=old, place=as_placement(shards.pop()))
+    parts = [rw.replicate(p, o) for p, o in zip(parts, olds)]
+    return rw.call(old.target, (parts, *args[1:]), kwargs, like=old)
+
+
+@rule(aten.index)
+def index(rw, old, args, kwargs):
+    """Advanced indexing with replicated index tensors, all after the shard, keeps it; else gathered."""
+    x, indices = args[0], list(args[1])
+    d = rw.shard_dim(x)
+    if d is None:
+        return pointwise_or_gather(rw, old, args, kwargs)
+    used = [i for i, t in enumerate(indices) if t is not None]
+    if used and min(used) > d and all(rw.is_replicated(t) for t in indices if isinstance(t, torch.fx.Node)):
+        return rw.call(old.target, args, kwargs, like=old, place=as_placement(d))
+    return pointwise_or_gather(rw, old, args, kwargs, force_gather=True)

@@ -1,0 +1,228 @@
+"""``CompiledModel``: a model compiled for one plan, on this rank; runs training steps and inference.
+
+It composes small parts: the batch cut into microbatches (``fxpar.ir.batch``), the pipeline runtime,
+the data-parallel engine (DDP / ZeRO-1/2) or ZeRO-3's regathering (``fxpar.runtime.zero3``), the tied
+gradients (``fxpar.runtime.tied``) and the full-state gathering (``fxpar.runtime.state``). What to run
+comes from ``build``, a callback of ``fxpar.compile`` that traces one input signature and runs the pass
+list on it: one :class:`~fxpar.ir.stage.CompileResult` per signature, cached on the pytree structure
+*and* every tensor's shape and dtype, so a graph traced for one shape never runs on another.
+
+Every rank calls ``step``/``__call__`` with the same full (global) batch: each data-parallel replica
+takes its slice, and only the stages a rank runs read it (the first stage its input ids, the last its
+labels), so no input travels.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from fxpar.ir.batch import batch_size, loss_weights, signature, split_batch
+from fxpar.ir.errors import PlanError
+from fxpar.ir.mesh import MeshSpec
+from fxpar.ir.optim import state_count
+from fxpar.ir.plan import Plan
+from fxpar.ir.program import Program
+from fxpar.ir.stage import CompileResult, PipelineProgram
+from fxpar.runtime.data_parallel import DataParallelEngine
+from fxpar.runtime.pipeline import PipelineRuntime
+from fxpar.runtime.state import full_state_dict
+from fxpar.runtime.tied import make_tied_groups, sum_tied_grads
+from fxpar.runtime.zero3 import Zero3Regather, sync_zero3
+
+log = logging.getLogger("fxpar")
+
+
+class CompiledModel:
+    """A model compiled for one plan, on this rank. See :func:`fxpar.compile`."""
+
+    def __init__(self, build: Callable, model: torch.nn.Module, plan: Plan, mesh: MeshSpec, setup, actions,
+                 example_args, example_kwargs, optimizer, *, device: torch.device, timeout: float,
+                 device_mesh=None, program: Program | None = None, predict_memory: Callable | None = None,
+                 dry: bool = False):
+        self.model, self.plan, self.spec, self.setup = model, plan, mesh, setup
+        self.mesh = device_mesh  # torch's DeviceMesh (None on one rank, or when only pricing the plan)
+        self.world, self.rank = mesh.world_size, mesh.rank
+        self.dp, self.tp, self.pp_rank, self.dp_rank, self.tp_rank = (
+            plan.dp, plan.tp, mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
+        self.device, self.timeout, self.dry = device, timeout, dry
+        self.schedule_name, self.schedule, self.m = setup.schedule, actions, setup.microbatches
+        self.stage_to_rank = list(setup.stage_to_rank)
+        self._build, self._predict_memory = build, predict_memory
+        self._signatures: dict[tuple, tuple[CompileResult, PipelineRuntime]] = {}
+        self._train = self._compile(example_args, example_kwargs, program)[0]
+        self._tied_groups = make_tied_groups(self._train.pipeline, mesh, self.stage_to_rank, create=not dry)
+        named = self._my_named_parameters(self._train.pipeline)
+        self.engine = None
+        if plan.dp > 1 or plan.zero:
+            self.engine = DataParallelEngine(named, optimizer, dp=plan.dp, rank=self.dp_rank, zero=plan.zero,
+                                             group=mesh.group_name("dp"),
+                                             bucket_bytes=int((plan.bucket_mb or 25) * 2**20),
+                                             overlap=not self._tied_groups, offload=plan.offload)
+            self.optimizer = self.engine.optimizer
+        else:  # a rank whose stages hold no parameter (possible with tiny models) has nothing to optimise
+            mine = [p for _, p in named]
+            self.optimizer = optimizer(mine) if optimizer is not None and mine else None
+
+    # ---- building ----------------------------------------------------------------------------------
+    def _compile(self, args, kwargs, program: Program | None = None) -> tuple[CompileResult, PipelineRuntime]:
+        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        key = signature(flat, spec)
+        if key not in self._signatures:
+            if self._signatures:
+                log.info("fxpar: compiling for a new input signature (%d so far)", len(self._signatures) + 1)
+            result = self._build(flat, spec, program)
+            runtime = PipelineRuntime(result.pipeline, self.schedule, self.pp_rank, self.spec.pipeline_ranks(),
+                                      None, self.device, self.timeout,
+                                      forward_context=Zero3Regather if self.plan.zero == 3 else None,
+                                      autocast_dtype=torch.bfloat16 if self.plan.mixed_precision == "bf16" else None)
+            self._signatures[key] = (result, runtime)
+        return self._signatures[key]
+
+    def _my_named_parameters(self, pipeline: PipelineProgram) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name in its stage, parameter) for the stages this rank runs, each parameter once."""
+        seen, out = set(), []
+        for stage in pipeline.stages_of(self.pp_rank):
+            for n, p in stage.gm.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((n, p))
+        return out
+
+    # ---- running -----------------------------------------------------------------------------------
+    def _microbatches(self, result: CompileResult, args, kwargs) -> list[list]:
+        """Every data-parallel rank's microbatches of the global batch, dp rank-major (rank d owns
+        ``[d * m, (d + 1) * m)``)."""
+        if self.dry:
+            raise PlanError("this compiled model only prices its plan (built without process groups); "
+                            "compile it under torchrun to run it")
+        flat = result.program.flatten_inputs(tuple(args), dict(kwargs))
+        batch, want = batch_size(flat), self.setup.batch
+        if batch != want:
+            raise PlanError(f"batch of {batch} given, but the program was compiled for {want} "
+                            f"({self.dp} x {self.m} microbatches of {want // (self.dp * self.m)}); compile "
+                            "again for this batch")
+        return split_batch([v.to(self.device) if isinstance(v, torch.Tensor) else v for v in flat],
+                           batch, self.dp * self.m)
+
+    def _mine(self, mbs: list) -> list:
+        return mbs[self.dp_rank * self.m:(self.dp_rank + 1) * self.m]
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward over the microbatches, gradient sync, optimizer step; the batch's loss."""
+        result, runtime = self._compile(args, kwargs)
+        if result.pipeline.loss_output is None:
+            raise PlanError("the model returned no loss for these inputs: pass labels (or whatever makes "
+                            f"{type(self.model).__name__} compute its loss)")
+        every = self._microbatches(result, args, kwargs)
+        for _, p in self._my_named_parameters(result.pipeline):
+            p.grad = None
+        if self.engine is not None:
+            self.engine.start_step()
+        weights = self._mine(loss_weights(result.program, every, self.model))  # shares of the global batch
+        out = runtime.run(self._mine(every), train=True, loss_weights=weights)
+        sum_tied_grads(self._tied_groups, result.program, self.pp_rank)
+        loss_stage = next(s for s in result.pipeline.stages if result.pipeline.loss_output in s.final)
+        loss = torch.zeros((), device=self.device)
+        if out.losses:
+            loss = sum(out.losses[i].detach() for i in sorted(out.losses)).to(self.device).reshape(())
+        if self.world > 1:  # the loss stage's TP rank 0 of every replica holds its share of the global loss
+            if not (loss_stage.rank == self.pp_rank and self.tp_rank == 0):
+                loss.zero_()
+            dist.all_reduce(loss)
+        if self.engine is not None:
+            self.engine.step()
+        elif self.optimizer is not None:
+            self.optimizer.step()
+        return loss
+
+    @torch.no_grad()
+    def __call__(self, *args, **kwargs):
+        """Inference: forward over the microbatches; the model's outputs, gathered on every rank."""
+        result, runtime = self._compile(args, kwargs)
+        every = self._microbatches(result, args, kwargs)
+        out = runtime.run(self._mine(every), train=False)  # outputs are exchanged below
+        pipeline = result.pipeline
+        outs = []
+        for j in range(pipeline.num_user_outputs):
+            stage = next((s for s in pipeline.stages if j in s.final), None)
+            if stage is None:
+                outs.append(None)
+                continue
+            val = stage.output_val(stage.final[j])
+            # every replica's slice written in place by its owner (the stage's TP rank 0), then summed
+            shape = (val.shape[0] * self.m * self.dp, *val.shape[1:]) if val.dim() > 0 else ()
+            full = torch.zeros(shape, dtype=val.dtype, device=self.device)
+            if stage.rank == self.pp_rank and self.tp_rank == 0:
+                parts = [out.outputs[i][j] for i in range(self.m)]
+                if val.dim() > 0:
+                    n = val.shape[0] * self.m
+                    full[self.dp_rank * n:(self.dp_rank + 1) * n] = torch.cat(parts)
+                else:
+                    full = (sum(parts) / (self.m * self.dp)).to(val.dtype)
+            if self.world > 1:
+                dist.all_reduce(full)
+            outs.append(full)
+        return pytree.tree_unflatten(outs, result.program.out_spec)
+
+    # ---- reading -----------------------------------------------------------------------------------
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Full tensors keyed by the original FQNs (tied parameters under each name), on every rank.
+        ``grads=True``: the parameters' gradients from the last ``step`` instead (zeros where none)."""
+        if self.plan.zero == 3:
+            sync_zero3(self._train.zero3_buckets, self._train.program, self.spec.group_name("dp"), self.dp, grads)
+        return full_state_dict(self._train, self.model, self.spec, self.device, grads)
+
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds now for parameters, gradients and optimizer states: ``measured`` from
+        the tensors, ``predicted`` by the cost model from parameter counts (fp32 master weights)."""
+        if self.engine is not None:
+            measured = self.engine.memory()
+        else:
+            params = [p for _, p in self._my_named_parameters(self._train.pipeline)]
+            states = [v for st in (self.optimizer.state.values() if self.optimizer else []) for v in st.values()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0]
+            measured = {"params": sum(p.numel() * p.element_size() for p in params),
+                        "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+                        "optimizer": sum(t.numel() * t.element_size() for t in states)}
+        program = self._train.program
+        n = 0
+        for s in self._train.pipeline.stages_of(self.pp_rank):  # trainable tensors of each stage, whole
+            n += sum(t.numel() for t in {id(t): t for t in map(program.tensor, s.params) if t.requires_grad}.values())
+        predicted = self._predict_memory(n, state_count(self.optimizer)) if self._predict_memory else {}
+        return {"measured": measured, "predicted": predicted}
+
+    @property
+    def cuts(self) -> list[tuple[str, str]]:
+        """The pipeline cuts (chosen on the first trace, kept for every later signature)."""
+        return self._build.cuts
+
+    @property
+    def pipeline(self) -> PipelineProgram:
+        return self._train.pipeline
+
+    @property
+    def program(self) -> Program:
+        return self._train.program
+
+    @property
+    def result(self) -> CompileResult:
+        """What compile produced for the training signature (typed; read by inspection and checkpoints)."""
+        return self._train
+
+    @property
+    def tp_info(self):
+        """The TP pass's result for this rank (which parameters it sharded, their layouts; empty without TP)."""
+        return self._train.tp
+
+    @property
+    def predicted(self) -> dict:
+        return self._train.predicted
+
+    @property
+    def zero3_buckets(self) -> dict[int, list]:
+        return self._train.zero3_buckets

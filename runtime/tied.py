@@ -1,0 +1,40 @@
+"""Parameters held by stages on different pipeline ranks (a tied embedding and LM head): one process
+group per (replica, TP rank) over the ranks holding them, and the sum of their gradients after backward."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fxpar.ir.mesh import MeshSpec
+from fxpar.ir.stage import PipelineProgram
+
+
+def make_tied_groups(pipeline: PipelineProgram, mesh: MeshSpec, stage_to_rank, *,
+                     create: bool = True) -> list[tuple[str, list[int], object]]:
+    """``(fqn, pipeline ranks holding it, this rank's process group)`` for each parameter held on
+    several pipeline ranks. Every rank creates every group, in the same order (``new_group`` is
+    collective); ``create=False`` lists them without creating any (pricing a plan)."""
+    groups = []
+    for fqn, stages in sorted(pipeline.tied.items()):
+        ranks = sorted({stage_to_rank[s] for s in stages})
+        if len(ranks) > 1:
+            mine = None
+            if create:
+                me = mesh.coords()
+                for d in range(mesh.dp):
+                    for t in range(mesh.tp):
+                        g = dist.new_group([mesh.rank_of(d, r, t) for r in ranks])
+                        mine = g if (d, t) == (me["dp"], me["tp"]) else mine
+            groups.append((fqn, ranks, mine))
+    return groups
+
+
+def sum_tied_grads(groups, program, pp_rank: int) -> None:
+    """All-reduce the gradient of every tied parameter this rank holds over the ranks holding it."""
+    for fqn, ranks, group in groups:
+        if pp_rank in ranks:
+            p = program.tensor(fqn)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)

@@ -1,0 +1,106 @@
+"""ZeRO-3 at run time: regather parameter buckets for backward, and gather shards back into full tensors.
+
+Reads: the buckets ``fxpar.passes.zero3`` made (each a :class:`~fxpar.ir.buckets.FlatBucket` holding
+this rank's ``shard`` parameter) and the ``gather_params`` calls of a running forward. Writes: autograd's
+saved tensors (handles instead of gathered buckets) and, in :func:`sync_zero3`, the original parameters
+or their gradients.
+
+ZeRO-3 is owned by two files: the graph rewrite (``passes/zero3.py``) and this one. The gathers'
+backward reduce-scatters the gradients, so the optimizer steps the shards directly; no other runtime
+part knows ZeRO-3 but the compiled model, which wraps each training forward in a :class:`Zero3Regather`
+and calls :func:`sync_zero3` before reading the full state.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fxpar.ir.ops import gather_params
+from fxpar.runtime.collectives import all_gather_single, observing_param_gathers
+from fxpar.runtime.groups import resolve_group
+
+__all__ = ["Zero3Regather", "sync_zero3"]
+
+
+class Zero3Regather:
+    """A context for one ZeRO-3 forward: autograd saves a handle for every tensor that lives in a
+    gathered bucket, and gathers the bucket again when backward needs it; the gathered forward copy is
+    freed after its last forward use. The regathered bucket is kept while backward works through it.
+
+    It hears of the buckets from ``gather_params`` through :func:`fxpar.runtime.collectives.
+    observing_param_gathers` (this context only), and its saved-tensor hooks live as long as the
+    autograd graph of that forward does."""
+
+    def __init__(self):
+        # storage pointer of a gathered bucket -> (weak ref to its storage, (shard, group, dim, dtype));
+        # the weak ref tells a live bucket from a later tensor that happens to reuse a freed bucket's address
+        self.buckets: dict[int, tuple] = {}
+        self.regathered: dict[int, torch.Tensor] = {}
+        self._observing = None
+        self._hooks = None
+
+    def __enter__(self) -> Zero3Regather:
+        self._observing = observing_param_gathers(self._observe)
+        self._observing.__enter__()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        try:
+            self._hooks.__enter__()
+        except BaseException:
+            self._observing.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._hooks.__exit__(*exc)
+        finally:
+            self._observing.__exit__(*exc)
+            self._hooks = self._observing = None
+
+    def _observe(self, out, shard, group, dim, dtype) -> None:
+        self.buckets[out.untyped_storage().data_ptr()] = (StorageWeakRef(out.untyped_storage()),
+                                                          (shard, group, dim, dtype))
+
+    def _pack(self, t: torch.Tensor):
+        if t.device.type == "meta" or not self.buckets:
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        entry = self.buckets.get(ptr)
+        if entry is None:
+            return t
+        if entry[0].expired():
+            del self.buckets[ptr]
+            return t
+        return ("zero3", ptr, entry[1], t.storage_offset(), tuple(t.shape), t.stride())
+
+    def _unpack(self, saved):
+        if not (isinstance(saved, tuple) and saved and saved[0] == "zero3"):
+            return saved
+        _, ptr, (shard, group, dim, dtype), offset, shape, stride = saved
+        if ptr not in self.regathered:
+            self.regathered.clear()  # backward has moved on to another bucket
+            with torch.no_grad():
+                self.regathered[ptr] = gather_params(shard.detach(), group, dim, dtype)
+        return self.regathered[ptr].as_strided(shape, stride, offset)
+
+
+def sync_zero3(buckets: dict[int, list], program, group_name: str, dp: int, grads: bool) -> None:
+    """Gather every ZeRO-3 bucket of this rank's stages (``buckets``: stage -> its buckets) over the
+    data-parallel group ``group_name`` into the original parameters of ``program`` (or, ``grads``,
+    into their gradients), so the full state can be read under the original FQNs."""
+    pg = resolve_group(group_name)
+    for stage_buckets in buckets.values():
+        for b in stage_buckets:
+            src = b.shard.grad if grads else b.shard.detach()
+            if src is None:
+                src = torch.zeros_like(b.shard)
+            full = torch.empty(b.shard_numel * dp, dtype=src.dtype, device=src.device)
+            all_gather_single(full, src.contiguous(), group=pg)
+            for name, piece in b.unflatten(full).items():
+                p = program.tensor(name)
+                if grads:
+                    p.grad = piece.clone()
+                else:
+                    with torch.no_grad():
+                        p.copy_(piece)

@@ -1,0 +1,62 @@
+"""compile's wiring on one process: programs cached per input signature *and* shapes, and plans priced
+without any process group (what ``fxpar plan`` and a planner do)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+import fxpar
+from fxpar import zoo
+from fxpar.api import price
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=1e-2)
+
+
+def test_a_new_sequence_length_compiles_again_and_matches_eager():
+    cfg = zoo.tiny_config("llama")
+    short = zoo.example_inputs("llama", cfg, batch=4, seq=16)
+    long = zoo.example_inputs("llama", cfg, batch=4, seq=32)
+    compiled = fxpar.compile(zoo.build("llama", seed=0), fxpar.Plan(), example_kwargs=short, optimizer=sgd)
+    reference = zoo.build("llama", seed=0)
+    opt = sgd(reference.parameters())
+    for batch in (short, long, short):
+        loss = compiled.step(**batch)
+        opt.zero_grad()
+        ref = reference(**batch).loss
+        ref.backward()
+        opt.step()
+        assert abs(loss.item() - ref.item()) <= 1e-5, (loss.item(), ref.item())
+
+
+def test_price_builds_rank_0_of_a_plan_without_any_process_group():
+    batch = zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=8, seq=16)
+    priced = price(zoo.build("llama", seed=0), "dp=2,pp=2,tp=2,zero=1", example_kwargs=batch,
+                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    assert not dist.is_initialized()
+    assert len(priced.pipeline.stages) == 2 and priced.tp_info.sharded
+    assert priced.spec.group_name("tp") == "tp:0,1"
+    text = fxpar.inspect(priced, quiet=True).to_text()
+    assert "data parallel: dp=2, ZeRO-1" in text and "memory per rank, predicted" in text
+
+
+def test_plan_command_dumps_every_pass_that_ran(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FXPAR_DUMP_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "fxpar", "plan", "llama", "--plan", "dp=2,pp=2,tp=2,zero=3"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = ["tensor_parallel", "pipeline_split", "zero3"]
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("passes:"))
+    assert [w.split()[0] for w in line[len("passes:"):].split(",")] == ran, line
+    for i, name in enumerate(ran, 1):
+        stage = ".stage0" if name == "zero3" else ""
+        for when in ("before", "after"):
+            assert (tmp_path / f"{i:02d}-{name}{stage}.{when}.txt").stat().st_size > 0
+    assert "fxpar.all_reduce" in (tmp_path / "01-tensor_parallel.after.txt").read_text()
+    assert "fxpar.all_reduce" not in (tmp_path / "01-tensor_parallel.before.txt").read_text()

@@ -1,0 +1,41 @@
+"""MeshSpec: rank <-> coordinates and group names, TP innermost, for any world, with no process group."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxpar.ir.mesh import MeshSpec
+
+
+def test_coordinates_round_trip_tp_innermost():
+    m = MeshSpec(dp=2, pp=3, tp=4)
+    seen = set()
+    for r in range(m.world_size):
+        c = m.coords(r)
+        assert m.rank_of(**c) == r
+        seen.add((c["dp"], c["pp"], c["tp"]))
+    assert len(seen) == 24
+    assert m.coords(5) == {"dp": 0, "pp": 1, "tp": 1}  # rank = (dp * pp + pp_rank) * tp + tp_rank
+
+
+def test_group_names_list_the_ranks_and_partition_the_world():
+    m = MeshSpec(dp=2, pp=2, tp=2, rank=5)
+    assert (m.group_name("tp"), m.group_name("pp"), m.group_name("dp")) == ("tp:4,5", "pp:5,7", "dp:1,5")
+    assert m.pipeline_ranks() == [5, 7]
+    for axis in ("dp", "pp", "tp"):
+        groups = m.axis_groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(8))
+        assert all(len(g) == m.size(axis) for g in groups)
+
+
+def test_two_plans_on_one_world_have_different_group_names():
+    # tp=4 and dp=2 x tp=2 on four ranks: rank 0's TP groups differ, so their names differ
+    assert MeshSpec(tp=4).group_name("tp") == "tp:0,1,2,3"
+    assert MeshSpec(dp=2, tp=2).group_name("tp") == "tp:0,1"
+
+
+def test_bad_mesh_is_refused():
+    with pytest.raises(ValueError, match="rank=8"):
+        MeshSpec(dp=2, tp=4, rank=8)
+    with pytest.raises(ValueError, match="unknown mesh axis"):
+        MeshSpec().group_name("ep")
