@@ -90,7 +90,7 @@ def test_plan_command_shows_stages_collectives_and_memory():
 @pytest.mark.slow
 def test_train_under_torchrun_saves_and_resumes_under_another_plan(tmp_path):
     """`fxpar train` on 2 processes with pp=2 saving at step 2, then resumed with dp=2 from that checkpoint
-    (same-plan resumption, optimizer included, is tests/test_composition.py's)."""
+    (same-plan resumption, optimizer included, is tests/e2e/test_composition.py's)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 "-m", "fxpar", "train", "llama", "--batch", "4", "--seq", "16"]
     first = _run(torchrun + ["--plan", "pp=2", "--steps", "2", "--save", str(tmp_path / "ckpt"), "--save-every", "2",

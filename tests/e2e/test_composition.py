@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 
 def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)  # eps: see tests/test_data_parallel.py
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)  # eps: see tests/runtime/test_data_parallel.py
 
 
 def three_d(name: str, plan: str, batch_size: int, steps: int = 5) -> dict:
