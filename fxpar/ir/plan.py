@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fxpar.ir.errors import PlanError
 
@@ -18,35 +18,38 @@ SPLIT_WHERE = ("beginning", "end")
 
 @dataclass(frozen=True)
 class Plan:
-    """A parallelisation plan.
-
-    ``pp``: pipeline ranks; ``virtual_stages``: stages per pipeline rank (interleaved and V schedules;
-    default 2 for those, 1 otherwise); ``microbatches``: chunks each step's batch is cut into (default:
-    the number of stages); ``schedule``: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv`` or
-    ``interleaved_zb``; ``split_points``: explicit cuts ``{"model.layers.16": "beginning"}`` instead of
-    the cost-balanced ones. ``dp``, ``tp``, ``zero``, ``tp_plan`` and ``sequence_parallel`` are the data-
-    and tensor-parallel degrees and options. ``bucket_mb``: gradient buckets of DDP / ZeRO-1/2 (default
-    25 MB) and parameter buckets of ZeRO-3 (default: one per layer; consecutive layers merged up to
-    this size); ``prefetch``: how many buckets ahead ZeRO-3 issues each gather (0: just before use);
-    ``offload``: ZeRO-1/2 optimizer states and fp32 shards in CPU memory; ``mixed_precision="bf16"``:
-    forwards under bf16 autocast, ZeRO-3 gathers parameters in bf16, master weights, gradients and
-    their reductions stay fp32.
-    """
+    """A parallelisation plan: degrees that multiply to the world size, and how each runs."""
 
     dp: int = 1
+    """Data-parallel replicas; each runs its slice of the global batch."""
     pp: int = 1
+    """Pipeline ranks."""
     tp: int = 1
-    zero: int = 0
+    """Tensor-parallel ranks (innermost in the mesh)."""
+    zero: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage: 1 shards optimizer states over dp, 2 also gradients, 3 also parameters."""
     microbatches: int | None = None
+    """Chunks each step's batch is cut into, per replica (default: the number of stages)."""
     schedule: str = "1f1b"
+    """``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv`` or ``interleaved_zb`` (torch's class names too)."""
     virtual_stages: int | None = None
+    """Stages per pipeline rank for interleaved and V schedules (default 2 for those, 1 otherwise)."""
     split_points: dict[str, str] | None = field(default=None, hash=False)
+    """Explicit cuts ``{"model.layers.16": "beginning"}`` instead of the cost-balanced ones (plan files)."""
     tp_plan: Any = "auto"
+    """``"auto"`` (the model's ``base_model_tp_plan``, else inferred) or ``{fqn glob: style}`` (plan files)."""
     sequence_parallel: bool = False
+    """Shard the activations between TP regions along the sequence (reduce-scatter / all-gather)."""
     bucket_mb: float | None = None
+    """DDP / ZeRO-1/2 gradient buckets (default 25 MB); ZeRO-3 parameter buckets (default one per layer,
+    consecutive layers merged up to this size)."""
     prefetch: int = 1
+    """How many buckets ahead ZeRO-3 issues each gather (0: just before use)."""
     offload: bool = False
-    mixed_precision: str | None = None
+    """ZeRO-1/2: fp32 shards and optimizer states in CPU memory."""
+    mixed_precision: Literal["bf16"] | None = None
+    """``"bf16"``: forwards under bf16 autocast, ZeRO-3 gathers in bf16; master weights, gradients and
+    their reductions stay fp32."""
 
     def __post_init__(self):
         for name in ("dp", "pp", "tp"):
@@ -90,15 +93,18 @@ class Plan:
                                 f"{[k for k in known if k not in ('split_points', 'tp_plan')]} "
                                 "(split_points and tp_plan go in a plan file)")
             value = value.strip()
-            if key in ("sequence_parallel", "offload"):
+            kind = str(known[key].type)  # parsed by the field's type: a new field needs no parser change
+            if kind == "bool":
                 kwargs[key] = value.lower() in ("1", "true", "yes", "on")
-            elif key == "bucket_mb":
+            elif kind.startswith("float"):
                 try:
                     kwargs[key] = float(value)
                 except ValueError:
-                    raise PlanError(f"plan: bucket_mb={value!r} is not a number") from None
+                    raise PlanError(f"plan: {key}={value!r} is not a number") from None
+            elif kind.startswith(("int", "Literal[0")):
+                kwargs[key] = _int(key, value)
             else:
-                kwargs[key] = value if key in ("schedule", "mixed_precision") else _int(key, value)
+                kwargs[key] = value
         return cls(**kwargs)
 
     @classmethod
