@@ -19,7 +19,9 @@ def cmd_plan(args) -> int:
     kwargs = example_kwargs(model, args.batch, args.seq)
     priced = price(model, plan, example_kwargs=kwargs, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     dp_axis = "dp_shard" if plan.zero else "dp_replicate"
-    mesh = f"DeviceMesh(({dp_axis}={plan.dp}, pp={plan.pp}, tp={plan.tp}))"
+    # printed as torch's DeviceMesh prints itself; no DeviceMesh is made (it would create process groups)
+    mesh = (f"DeviceMesh(({dp_axis}={plan.dp}, pp={plan.pp}, tp={plan.tp}), 'cpu', "
+            f"stride=({plan.pp * plan.tp}, {plan.tp}, 1))")
     print(f"plan {plan.to_dict()} on {plan.world_size} ranks, mesh {mesh}; rank 0 shown")
     print(fxpar.inspect(priced, quiet=True).to_text())
     print("passes: " + ", ".join(f"{name} {1e3 * secs:.0f} ms" for name, secs in priced.result.timings))
