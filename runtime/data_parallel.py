@@ -180,18 +180,23 @@ class DataParallelEngine:
     # ---- reading ----------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer states (now)."""
-        seen = set()
+        return held_bytes(self.params, self.optimizer, [b.shard for b in self.buckets if b.shard is not None])
 
-        def nbytes(ts):
-            total = 0
-            for t in ts:
-                if t is not None and id(t) not in seen:
-                    seen.add(id(t))
-                    total += t.numel() * t.element_size()
-            return total
-        shards = [b.shard for b in self.buckets if b.shard is not None]
-        states = [v for s in (self.optimizer.state.values() if self.optimizer else []) for v in s.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return {"params": nbytes(self.params) + nbytes(shards),
-                "grads": nbytes([p.grad for p in self.params]) + nbytes([s.grad for s in shards]),
-                "optimizer": nbytes(states)}
+
+def held_bytes(params, optimizer, shards=()) -> dict[str, int]:
+    """Bytes held now by ``params`` and ``shards`` (flat ZeRO shards), their gradients and the
+    optimizer's tensor states; each tensor counted once."""
+    seen = set()
+
+    def nbytes(ts):
+        total = 0
+        for t in ts:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+    states = [v for s in (optimizer.state.values() if optimizer else []) for v in s.values()
+              if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"params": nbytes(params) + nbytes(shards),
+            "grads": nbytes([p.grad for p in params]) + nbytes([s.grad for s in shards]),
+            "optimizer": nbytes(states)}

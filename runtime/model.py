@@ -28,7 +28,7 @@ from fxpar.ir.optim import state_count
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.stage import CompileResult, PipelineProgram
-from fxpar.runtime.data_parallel import DataParallelEngine
+from fxpar.runtime.data_parallel import DataParallelEngine, held_bytes
 from fxpar.runtime.pipeline import PipelineRuntime
 from fxpar.runtime.state import full_state_dict
 from fxpar.runtime.tied import make_tied_groups, sum_tied_grads
@@ -183,12 +183,7 @@ class CompiledModel:
         if self.engine is not None:
             measured = self.engine.memory()
         else:
-            params = [p for _, p in self._my_named_parameters(self._train.pipeline)]
-            states = [v for st in (self.optimizer.state.values() if self.optimizer else []) for v in st.values()
-                      if isinstance(v, torch.Tensor) and v.dim() > 0]
-            measured = {"params": sum(p.numel() * p.element_size() for p in params),
-                        "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-                        "optimizer": sum(t.numel() * t.element_size() for t in states)}
+            measured = held_bytes([p for _, p in self._my_named_parameters(self._train.pipeline)], self.optimizer)
         program = self._train.program
         n = 0
         for s in self._train.pipeline.stages_of(self.pp_rank):  # trainable tensors of each stage, whole
