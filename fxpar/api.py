@@ -99,8 +99,13 @@ class _Builder:
     def _load(self, fqns, layout, like):
         return self.weights.load(fqns, layout, like)
 
-    def __call__(self, flat: list, spec, program: Program | None = None) -> CompileResult:
-        plan, setup = self.plan, self.setup
+    def setup_for(self, batch: int) -> feasibility.PipelineSetup:
+        """The pipeline set-up for a global ``batch`` (checked: a PlanError before any communication)."""
+        return self.setup if batch == self.setup.batch else feasibility.pipeline_setup(self.plan, batch)
+
+    def __call__(self, flat: list, spec, setup: feasibility.PipelineSetup,
+                 program: Program | None = None) -> CompileResult:
+        plan = self.plan
         mb = split_batch(flat, setup.batch, setup.microbatches * plan.dp)[0]
         if self.on_meta:  # a meta model is traced on meta inputs
             mb = [v.to("meta") if isinstance(v, torch.Tensor) else v for v in mb]

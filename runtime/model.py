@@ -15,13 +15,14 @@ labels), so no input travels.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from fxpar.ir.batch import batch_size, loss_weights, signature, split_batch
+from fxpar.ir.batch import batch_size, check_shapes, loss_weights, signature, split_batch
 from fxpar.ir.errors import PlanError
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.optim import state_count
@@ -53,7 +54,10 @@ class CompiledModel:
         self.schedule_name, self.schedule, self.m = setup.schedule, actions, setup.microbatches
         self.stage_to_rank = list(setup.stage_to_rank)
         self._build, self._predict_memory = build, predict_memory
-        self._signatures: dict[tuple, tuple[CompileResult, PipelineRuntime]] = {}
+        # input signature -> (program, its runtime, its batch set-up); see _compile
+        self._signatures: dict[tuple, tuple[CompileResult, PipelineRuntime, object]] = {}
+        self._train_key, self._compiled = None, 0
+        self.max_programs = int(os.environ.get("FXPAR_MAX_PROGRAMS", 8))
         self._train = self._compile(example_args, example_kwargs, program)[0]
         self._tied_groups = make_tied_groups(self._train.pipeline, mesh, self.stage_to_rank, create=not dry)
         named = self._my_named_parameters(self._train.pipeline)
@@ -69,19 +73,35 @@ class CompiledModel:
             self.optimizer = optimizer(mine) if optimizer is not None and mine else None
 
     # ---- building ----------------------------------------------------------------------------------
-    def _compile(self, args, kwargs, program: Program | None = None) -> tuple[CompileResult, PipelineRuntime]:
+    def _compile(self, args, kwargs, program: Program | None = None) -> tuple[CompileResult, PipelineRuntime, object]:
+        """The program for these inputs: one per pytree structure, shapes and dtypes, compiled on first
+        use (one log line each) and kept in a bounded least-recently-used cache; the training signature
+        (the first) is never evicted: the optimizer, the DP engine and checkpoints read its stages."""
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         key = signature(flat, spec)
-        if key not in self._signatures:
-            if self._signatures:
-                log.info("fxpar: compiling for a new input signature (%d so far)", len(self._signatures) + 1)
-            result = self._build(flat, spec, program)
+        hit = self._signatures.pop(key, None)
+        if hit is None:
+            setup = self._build.setup_for(batch_size(flat))  # PlanError before any communication
+            shapes = ", ".join(str(tuple(v.shape)) for v in flat if isinstance(v, torch.Tensor))
+            log.info("fxpar: compiling program %d for input shapes %s (batch %d = dp %d x %d microbatches of %d)",
+                     self._compiled + 1, shapes, setup.batch, setup.dp, setup.microbatches,
+                     setup.microbatch_size)
+            result = self._build(flat, spec, setup, program)
             runtime = PipelineRuntime(result.pipeline, self.schedule, self.pp_rank, self.spec.pipeline_ranks(),
                                       None, self.device, self.timeout,
                                       forward_context=Zero3Regather if self.plan.zero == 3 else None,
                                       autocast_dtype=torch.bfloat16 if self.plan.mixed_precision == "bf16" else None)
-            self._signatures[key] = (result, runtime)
-        return self._signatures[key]
+            hit = (result, runtime, setup)
+            self._compiled += 1
+            if self._train_key is None:
+                self._train_key = key
+        self._signatures[key] = hit  # most recently used last
+        while len(self._signatures) > max(self.max_programs, 1):
+            oldest = next(k for k in self._signatures if k != self._train_key)
+            del self._signatures[oldest]
+            log.info("fxpar: %d programs cached (max_programs=%d): the least recently used one dropped",
+                     self.max_programs + 1, self.max_programs)
+        return hit
 
     def _my_named_parameters(self, pipeline: PipelineProgram) -> list[tuple[str, torch.nn.Parameter]]:
         """(name in its stage, parameter) for the stages this rank runs, each parameter once."""
@@ -94,31 +114,31 @@ class CompiledModel:
         return out
 
     # ---- running -----------------------------------------------------------------------------------
-    def _microbatches(self, result: CompileResult, args, kwargs) -> list[list]:
+    def _microbatches(self, result: CompileResult, setup, args, kwargs) -> list[list]:
         """Every data-parallel rank's microbatches of the global batch, dp rank-major (rank d owns
-        ``[d * m, (d + 1) * m)``)."""
+        ``[d * m, (d + 1) * m)``), each checked against the shapes its program was traced for."""
         if self.dry:
             raise PlanError("this compiled model only prices its plan (built without process groups); "
                             "compile it under torchrun to run it")
         flat = result.program.flatten_inputs(tuple(args), dict(kwargs))
-        batch, want = batch_size(flat), self.setup.batch
-        if batch != want:
-            raise PlanError(f"batch of {batch} given, but the program was compiled for {want} "
-                            f"({self.dp} x {self.m} microbatches of {want // (self.dp * self.m)}); compile "
-                            "again for this batch")
-        return split_batch([v.to(self.device) if isinstance(v, torch.Tensor) else v for v in flat],
-                           batch, self.dp * self.m)
+        batch = batch_size(flat)
+        if batch != setup.batch:
+            raise PlanError(f"batch of {batch} given to a program compiled for {setup.batch}")
+        mbs = split_batch([v.to(self.device) if isinstance(v, torch.Tensor) else v for v in flat],
+                          batch, self.dp * self.m)
+        check_shapes(result.traced, mbs[0])
+        return mbs
 
     def _mine(self, mbs: list) -> list:
         return mbs[self.dp_rank * self.m:(self.dp_rank + 1) * self.m]
 
     def step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward over the microbatches, gradient sync, optimizer step; the batch's loss."""
-        result, runtime = self._compile(args, kwargs)
+        result, runtime, setup = self._compile(args, kwargs)
         if result.pipeline.loss_output is None:
             raise PlanError("the model returned no loss for these inputs: pass labels (or whatever makes "
                             f"{type(self.model).__name__} compute its loss)")
-        every = self._microbatches(result, args, kwargs)
+        every = self._microbatches(result, setup, args, kwargs)
         for _, p in self._my_named_parameters(result.pipeline):
             p.grad = None
         if self.engine is not None:
@@ -143,8 +163,8 @@ class CompiledModel:
     @torch.no_grad()
     def __call__(self, *args, **kwargs):
         """Inference: forward over the microbatches; the model's outputs, gathered on every rank."""
-        result, runtime = self._compile(args, kwargs)
-        every = self._microbatches(result, args, kwargs)
+        result, runtime, setup = self._compile(args, kwargs)
+        every = self._microbatches(result, setup, args, kwargs)
         out = runtime.run(self._mine(every), train=False)  # outputs are exchanged below
         pipeline = result.pipeline
         outs = []

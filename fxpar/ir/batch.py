@@ -44,6 +44,27 @@ def signature(flat: list, spec) -> tuple:
     return str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in flat)
 
 
+def check_shapes(program, microbatch: list, names: list[str] | None = None) -> None:
+    """Raise unless every tensor of ``microbatch`` (flattened user inputs) has the shape and dtype the
+    program's placeholder was traced with (symbolic sizes match any size). A graph traced for one shape
+    runs on no other: reshapes and expands baked into it would fail deep inside, or silently broadcast."""
+    users = {b.placeholder: b.index for b in program.inputs if b.kind == "user"}
+    names = names or flat_kwarg_names(program)
+    for node in program.graph.nodes:
+        if node.op != "placeholder" or node.name not in users:
+            continue
+        want, got = node.meta.get("val"), microbatch[users[node.name]]
+        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+            continue
+        sizes = [s if isinstance(s, int) else None for s in want.shape]
+        if len(sizes) != got.dim() or any(w is not None and w != g for w, g in zip(sizes, got.shape)) \
+                or want.dtype != got.dtype:
+            name = names[users[node.name]] if users[node.name] < len(names) else node.name
+            raise PlanError(f"input {name!r} of shape {tuple(got.shape)} ({got.dtype}) reached a program traced "
+                            f"for {tuple(want.shape)} ({want.dtype}); each input shape gets its own program "
+                            "(CompiledModel compiles one per shape): call the compiled model, not a stale program")
+
+
 def flat_kwarg_names(program) -> list[str]:
     """The name of each flattened user input (positional ones as 'arg<i>')."""
     args_spec, kwargs_spec = program.in_spec.children()

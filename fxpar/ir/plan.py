@@ -14,6 +14,7 @@ from typing import Any, Literal
 from fxpar.ir.errors import PlanError
 
 SPLIT_WHERE = ("beginning", "end")
+RECOMPUTE = ("none", "layer", "selective")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class Plan:
     mixed_precision: Literal["bf16"] | None = None
     """``"bf16"``: forwards under bf16 autocast, ZeRO-3 gathers in bf16; master weights, gradients and
     their reductions stay fp32."""
+    recompute: Literal["none", "layer", "selective"] = "none"
+    """Activation recompute: ``layer`` recomputes each decoder layer's forward in backward (HF gradient
+    checkpointing, full AC); ``selective`` keeps matmul outputs and recomputes the cheap ops between them."""
 
     def __post_init__(self):
         for name in ("dp", "pp", "tp"):
@@ -69,6 +73,8 @@ class Plan:
             raise PlanError(f"Plan.prefetch={self.prefetch!r}, bucket_mb={self.bucket_mb!r}: must be >= 0")
         if self.virtual_stages is not None and (not isinstance(self.virtual_stages, int) or self.virtual_stages < 1):
             raise PlanError(f"Plan.virtual_stages={self.virtual_stages!r}: must be an integer >= 1")
+        if self.recompute not in RECOMPUTE:
+            raise PlanError(f"Plan.recompute={self.recompute!r}: use one of {RECOMPUTE}")
         for fqn, where in (self.split_points or {}).items():
             if where not in SPLIT_WHERE:
                 raise PlanError(f"split_points[{fqn!r}]={where!r}: use one of {SPLIT_WHERE}")

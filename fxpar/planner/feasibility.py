@@ -64,9 +64,9 @@ def pipeline_setup(plan: Plan, batch: int) -> PipelineSetup:
     n_stages = plan.pp * sched.stages_per_rank(name, plan.virtual_stages)
     m = plan.microbatches or n_stages
     if batch % (m * plan.dp):
-        raise PlanError(f"batch of {batch} does not divide into {m} microbatches; global batch = "
-                        f"microbatch size x microbatches x dp ({plan.dp}): pick a batch that is a multiple "
-                        f"of {m * plan.dp} or another number of microbatches")
+        raise PlanError(f"batch of {batch} does not divide into {m} microbatches x dp={plan.dp}; global batch = "
+                        f"microbatch size x microbatches x dp: pick a batch that is a multiple of {m * plan.dp} "
+                        "(a data loader's last short batch: drop_last=True) or another number of microbatches")
     sched.validate(name, plan.pp, m, n_stages)
     return PipelineSetup(name, n_stages, m, batch, plan.dp, tuple(sched.stage_to_rank(name, plan.pp, n_stages)))
 
