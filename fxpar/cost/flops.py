@@ -10,14 +10,23 @@ graph is pre-dispatch ATen, so the composite ops that matter most (``aten.linear
 decompose into; they are mapped to those formulas here. Everything else with a floating output is
 counted as one FLOP per output element (elementwise and reductions), and view/metadata ops as free.
 
-Backward: 2x forward for matmuls (grad of input and of weight), torch's SDPA backward formula for
+Attention is priced here for any query/key head dim ``d_qk`` and value head dim ``d_v`` (multi-head
+latent attention has ``d_v != d_qk``; torch's formulas assume they are equal), grouped-query shapes and
+3-D inputs (:func:`sdpa_flops`, :func:`sdpa_backward_flops`; equal to torch's where ``d_v == d_qk``).
+
+Backward: 2x forward for matmuls (grad of input and of weight), the flash-style SDPA backward for
 attention, 1x for the rest; 0 for nodes no gradient flows through (nothing they read depends on a
 parameter that requires grad) and for nodes inside a ``set_grad_enabled(False)`` region.
+
+Pricing never breaks a trace: a node whose pricing raises is counted as elementwise (one FLOP per
+output element, backward as much again where a gradient flows) and a :class:`CostModelWarning` naming
+the op and the reason is issued once per op and process.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.fx
@@ -29,9 +38,25 @@ from fxpar.ir.analysis import grad_sources
 from fxpar.ir.meta import NodeCost
 from fxpar.ir.numeric import nbytes, to_int
 from fxpar.ir.op_classes import MOVE_OPS, VIEW_OPS
+from fxpar.ir.ops import collective_kind
 from fxpar.ir.program import Program, subgraphs_of
 
 aten = torch.ops.aten
+
+# Fused attention ops; each takes (query, key, value, ...) first. The pre-dispatch graph has the first;
+# the others appear where a graph was captured lower down.
+SDPA_OPS = frozenset(p for p in (getattr(aten, n, None) for n in (
+    "scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable")) if p is not None)
+
+
+class CostModelWarning(UserWarning):
+    """An op the cost model could not price; it was counted as elementwise instead."""
+
+
+_WARNED: set[str] = set()  # ops already warned about in this process
 
 
 def _shape(t) -> tuple[int, ...]:
@@ -72,12 +97,41 @@ def _matmul_flops(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return math.prod(batch) * fc.mm_flop((m, k), (k, n))
 
 
+def _sdpa_dims(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> tuple[int, int, int, int, int]:
+    """(score matrices, s_q, s_k, d_qk, d_v) of attention on q [..., s_q, d_qk], k [..., s_k, d_qk] and
+    v [..., s_k, d_v]. The leading dims broadcast, and key/value may have fewer heads than the query
+    (grouped-query attention: each key/value head serves several query heads), so every leading dim
+    counts at the largest of its three sizes: one score matrix per query head and batch element."""
+    if min(len(q), len(k), len(v)) < 2 or q[-1] != k[-1] or k[-2] != v[-2]:
+        raise ValueError(f"attention shapes do not fit: q={q}, k={k}, v={v}")
+    n = max(len(q), len(k), len(v)) - 2
+    lead = [max((t[-3 - i] if len(t) - 2 > i else 1) for t in (q, k, v)) for i in range(n)]
+    return math.prod(lead), q[-2], k[-2], q[-1], v[-1]
+
+
+def sdpa_flops(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> int:
+    """Forward FLOPs of attention: S = Q K^T (2 s_q s_k d_qk per score matrix) and O = P V
+    (2 s_q s_k d_v); softmax, scale and mask are not counted (as torch.utils.flop_counter)."""
+    n, s_q, s_k, d_qk, d_v = _sdpa_dims(q, k, v)
+    return 2 * n * s_q * s_k * (d_qk + d_v)
+
+
+def sdpa_backward_flops(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> int:
+    """Backward FLOPs of attention as a flash kernel runs it, per score matrix (dO is [s_q, d_v]):
+    recompute S = Q K^T (2 s_q s_k d_qk), dP = dO V^T (2 s_q s_k d_v), dV = P^T dO (2 s_k s_q d_v),
+    dQ = dS K (2 s_q s_k d_qk), dK = dS^T Q (2 s_k s_q d_qk): 2 s_q s_k (3 d_qk + 2 d_v) in all.
+    Where d_v == d_qk this is torch.utils.flop_counter.sdpa_backward_flop_count; an eager (math) backward
+    does the same minus the recomputed S."""
+    n, s_q, s_k, d_qk, d_v = _sdpa_dims(q, k, v)
+    return 2 * n * s_q * s_k * (3 * d_qk + 2 * d_v)
+
+
 def _forward_flops(node: torch.fx.Node, args, kwargs, out) -> tuple[int, str]:
     """(forward FLOPs, kind); kind is 'matmul', 'attention', 'view', 'move' or 'elementwise'."""
     pkt = _packet(node.target)
     if pkt in VIEW_OPS:
         return 0, "view"
-    if pkt in MOVE_OPS:
+    if pkt in MOVE_OPS or collective_kind(node) is not None:  # fxpar's collectives move bytes, compute nothing
         return 0, "move"
     if pkt is aten.linear:
         x, w = _shape(args[0]), _shape(args[1])
@@ -88,16 +142,14 @@ def _forward_flops(node: torch.fx.Node, args, kwargs, out) -> tuple[int, str]:
         return flops, "matmul"
     if pkt is aten.matmul:
         return _matmul_flops(_shape(args[0]), _shape(args[1])), "matmul"
-    if pkt is aten.scaled_dot_product_attention:
-        q, k, v = (_shape(t) for t in args[:3])
-        if len(q) == 4:
-            return fc.sdpa_flop_count(q, k, v), "attention"
-        return _matmul_flops(q, k[:-2] + (k[-1], k[-2])) + _matmul_flops(q[:-1] + (k[-2],), v), "attention"
-    if pkt is not None and pkt in fc.flop_registry:
-        try:
-            return int(fc.flop_registry[pkt](*args, out_val=out, **kwargs)), "matmul"
-        except Exception:  # a formula that does not fit this overload's arguments: count elementwise
-            pass
+    if pkt in SDPA_OPS:
+        return sdpa_flops(*(_shape(t) for t in args[:3])), "attention"
+    if pkt is not None and pkt in fc.flop_registry:  # a formula that raises goes to the fallback
+        return int(fc.flop_registry[pkt](*args, out_val=out, **kwargs)), "matmul"
+    return _elementwise_flops(out)
+
+
+def _elementwise_flops(out) -> tuple[int, str]:
     outs = [t for t in _tensors(out) if t.is_floating_point()]
     if not outs:
         return 0, "view"
@@ -108,16 +160,35 @@ def _backward_flops(kind: str, fwd: int, args) -> int:
     if kind == "matmul":
         return 2 * fwd
     if kind == "attention":
-        q, k, v = (_shape(t) for t in args[:3])
-        if len(q) == 4:
-            return fc.sdpa_backward_flop_count(q, q, k, v)
-        return int(2.5 * fwd)
+        return sdpa_backward_flops(*(_shape(t) for t in args[:3]))
     return fwd if kind == "elementwise" else 0
 
 
 def _node_cost(node: torch.fx.Node, needs_grad: bool) -> NodeCost:
     if node.op != "call_function" or isinstance(node.target, torch._ops.HigherOrderOperator):
         return meta.ZERO_COST
+    try:
+        return _priced(node, needs_grad)
+    except Exception as e:  # never break a trace on pricing: estimate, and say so once per op
+        op = str(node.target)
+        if op not in _WARNED:
+            _WARNED.add(op)
+            warnings.warn(f"fxpar cost model: cannot price {op} (node {node.name}: {type(e).__name__}: {e}); "
+                          "counted as elementwise, one FLOP per output element", CostModelWarning, stacklevel=2)
+        return _fallback_cost(node, needs_grad)
+
+
+def _fallback_cost(node: torch.fx.Node, needs_grad: bool) -> NodeCost:
+    try:
+        out = node.meta.get(meta.VAL)
+        fwd, kind = _elementwise_flops(out)
+        written = sum(_nbytes(t) for t in _tensors(out))
+    except Exception:  # not even the output is readable: count nothing
+        return meta.ZERO_COST
+    return NodeCost(fwd, fwd if needs_grad and kind == "elementwise" else 0, 0, written)
+
+
+def _priced(node: torch.fx.Node, needs_grad: bool) -> NodeCost:
     args, kwargs = _arg_vals(node)
     out = node.meta.get(meta.VAL)
     fwd, kind = _forward_flops(node, args, kwargs, out)
