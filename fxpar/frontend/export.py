@@ -8,6 +8,9 @@ call_function node carrying ``nn_module_stack``); :mod:`fxpar.frontend.lower` tu
 symbol ``batch`` and dim 1 of every integer (token-like) 2-D+ tensor input as ``seq``; a dict is passed
 to torch.export as ``dynamic_shapes`` unchanged.
 
+User ``torch.autograd.Function`` calls stay one opaque node each, so the program runs their own
+backward (:mod:`fxpar.frontend.functions`).
+
 ``stack_traces``: keep torch.export's ``stack_trace`` (the user source line) on every node. Off by
 default: fxpar identifies nodes by module (``nn_module_stack``), and collecting and symbolising a
 Python traceback per node is about a tenth of the capture time of a large model.
@@ -22,6 +25,7 @@ import torch.fx.config
 from torch.export import Dim
 
 from fxpar.frontend.diagnose import explain
+from fxpar.frontend.functions import keep_function_backwards
 
 _MAX = 1 << 20
 
@@ -57,8 +61,9 @@ def capture_export(model: torch.nn.Module, example_args: tuple = (), example_kwa
     saved = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = not stack_traces
     try:
-        return torch.export.export(model, tuple(example_args), example_kwargs, dynamic_shapes=shapes,
-                                   strict=False)
+        with keep_function_backwards():  # user autograd.Functions keep their own backward
+            return torch.export.export(model, tuple(example_args), example_kwargs, dynamic_shapes=shapes,
+                                       strict=False)
     except Exception as exc:  # every capture failure becomes one clear TraceError
         raise explain(model, exc, "export") from exc
     finally:

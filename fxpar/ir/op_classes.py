@@ -60,7 +60,12 @@ def packet(node: torch.fx.Node):
 
 
 def is_pointwise(node: torch.fx.Node) -> bool:
-    """An elementwise op (torch's ``pointwise`` tag): each output element reads the same place of each input."""
+    """An elementwise op (torch's ``pointwise`` tag, or a user autograd.Function found elementwise when
+    captured): each output element reads the same place of each input."""
+    from fxpar.ir.function_op import call_of, is_function_node
+
+    if is_function_node(node):
+        return call_of(node.args[1]).elementwise
     return torch.Tag.pointwise in getattr(node.target, "tags", ())
 
 

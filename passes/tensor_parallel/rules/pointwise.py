@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from fxpar.ir import meta
+from fxpar.ir import (
+    function_op,  # noqa: F401  (defines torch.ops.fxpar.autograd_function)
+    meta,
+)
 from fxpar.ir.op_classes import ASSERTS, PASS_THROUGH, REDUCTIONS, SOFTMAX, is_pointwise
 from fxpar.ir.placement import as_placement
 from fxpar.passes.tensor_parallel.rules.registry import rule
@@ -79,3 +82,16 @@ def pointwise_or_gather(rw, old, args, kwargs, force_gather: bool = False):
                 fixed[n] = rw.sum_grad(n, like=o)
     a2, k2 = torch.fx.node.map_arg((args, kwargs), lambda n: fixed.get(n, n))
     return rw.call(old.target, a2, k2, like=old, place=as_placement(d_out))
+
+
+@rule(torch.ops.fxpar.autograd_function)
+def autograd_function(rw, old, args, kwargs):
+    """A user autograd.Function found elementwise on capture (one tensor in, its list of one out) keeps
+    its input's shard; any other runs on replicated inputs."""
+    xs, srcs = list(args[0]), list(old.args[0])
+    dims = [rw.shard_dim(x) for x in xs]
+    if len(xs) == 1 and dims[0] is not None and is_pointwise(old):
+        return rw.call(old.target, args, kwargs, like=old, place=as_placement(dims[0]))
+    if any(not rw.is_replicated(x) for x in xs):
+        rw.fallbacks.append(f"{old.name} ({old.target}) in {old.meta.get(meta.MODULE, '')}")
+    return rw.call(old.target, ([rw.replicate(x, o) for x, o in zip(xs, srcs)], *args[1:]), kwargs, like=old)

@@ -9,6 +9,7 @@ import operator
 import torch
 
 from fxpar.ir import meta
+from fxpar.ir.function_op import is_function_node
 from fxpar.ir.op_classes import RESHAPES, SPLITS, packet
 from fxpar.ir.placement import Replicate, as_placement
 from fxpar.passes.tensor_parallel.layouts import (
@@ -137,9 +138,10 @@ def split(rw, old, args, kwargs):
 
 @rule(operator.getitem)
 def getitem(rw, old, args, kwargs):
-    """A piece of a split keeps the split's shard; anything else taken from a tuple is replicated."""
+    """A piece of a split (or of an elementwise Function's result list) keeps its shard; anything else
+    taken from a tuple is replicated."""
     src = args[0]
-    place = rw.place.get(src, Replicate()) if packet(src) in SPLITS else Replicate()
+    place = rw.place.get(src, Replicate()) if packet(src) in SPLITS or is_function_node(src) else Replicate()
     return rw.call(old.target, args, kwargs, like=old, place=place)
 
 
