@@ -1,17 +1,30 @@
-"""Checkpoints of a compiled model: save under one plan, load under another.
+"""Checkpoints of a compiled model: each rank saves its own shards; any other plan loads them.
 
-Layout of ``<dir>/step_<N>/`` (torch.distributed.checkpoint for the model, one file per rank for the
-optimizer):
+Layout of ``<dir>/step_<N>/``: a torch.distributed.checkpoint (DCP) directory and ``fxpar.json``.
 
-* the model's tensors under their original (Hugging Face) FQNs, full, through DCP: any plan can read
-  them and cut its own shards (``compile(..., weights=load_model_state(...))``);
-* ``optim.rank<r>.pt``: rank r's optimizer state as its optimizer holds it (shards under ZeRO), for
-  resuming under the same plan (``torch.load(weights_only=True)``: tensors and plain containers only);
-* ``fxpar.json``: the step, the plan and the world size.
+* ``model.<fqn>``: every tensor of the model under its original (Hugging Face) FQN and full shape, saved
+  as the boxes the ranks hold (``fxpar.runtime.state.local_state``): a TP shard (each fused piece apart), a
+  ZeRO-3 rank's slice of a flat bucket cut back into boxes of each parameter. Each entry has one writer
+  (one dp replica, one TP rank of what TP does not cut, the owning pipeline rank of a tied weight), and
+  nothing is gathered: a rank holds its shards plus one chunk being serialised
+  (``tests/api/test_checkpoint.py`` measures it). Tied weights are saved once, their other names in
+  ``fxpar.json``.
+* ``optim.<fqn>.<state>``: the optimizer's states (``exp_avg``, ``exp_avg_sq``, ``step``, ...) the same
+  way, ZeRO-1/2/3 flat shards included, so :func:`load_optimizer` resumes exactly under any plan. What
+  holds: optimizers whose state is per parameter entry (the ones ZeRO accepts), with one ``param_groups``
+  layout (hyperparameters restored from rank 0's groups). Under bf16 with ZeRO-1/2 the fp32 master
+  shards are not saved: they are rebuilt from the (bf16) parameters.
+* ``fxpar.json``: step, plan, world size, tied aliases, the optimizer's hyperparameters.
+
+Loading: ``compile(meta_model, plan, weights=checkpoint.model_source(path))`` (or ``weights=path``) reads
+only the boxes each rank's TP shard needs; DCP's resharding maps saved chunks to requested ones, so the
+saving and loading plans are independent. :func:`load_model_state` still returns full tensors.
 
 A save goes to ``step_<N>.partial`` and is renamed to ``step_<N>`` only after every rank has finished
 writing; ``<dir>/latest`` (replaced atomically) names the last complete one. A process killed during a
 save leaves ``latest`` and the checkpoint it names untouched.
+
+:func:`export_hf` streams the model into ``save_pretrained``'s safetensors layout, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -19,26 +32,95 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
 
 from fxpar.ir.errors import PlanError
+from fxpar.runtime.liveness import guard
+from fxpar.runtime.state import Held, local_state
+from fxpar.weights import CheckpointReader, SafetensorsWriter
+
+FORMAT = 2  # 1: full tensors and optim.rank<r>.pt files (still read)
 
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        with guard("a checkpoint barrier"):  # a peer that died is named, within the group's timeout
+            dist.barrier()
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+# ---- DCP glue: chunks as write and read items ------------------------------------------------------
+
+class _ChunkSavePlanner(DefaultSavePlanner):
+    """Writes each :class:`Held` chunk as one DCP shard of its full tensor; DCP's global plan checks
+    that the chunks of every rank tile each tensor exactly (no overlap, nothing missing)."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        items, self.views = [], {}
+        for key, held in self.state_dict.items():
+            for offsets, view in held.chunks:
+                self.views[(key, tuple(offsets))] = view
+                chunk = ChunkStorageMetadata(torch.Size(offsets), view.shape)
+                items.append(WriteItem(MetadataIndex(key, offsets), WriteItemType.SHARD, tensor_data=TensorWriteData(
+                    chunk, TensorProperties(dtype=held.dtype), torch.Size(held.shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, item: WriteItem) -> torch.Tensor:
+        return self.views[(item.index.fqn, tuple(item.index.offset))]
+
+
+class _StreamingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, one chunk in memory at a time. DCP's own ``write_data`` keeps every tensor of a
+    file referenced until the file is closed (and copies each view first), so a rank whose chunks are views
+    of flat ZeRO shards would hold a second copy of all of them; here each chunk is copied (only when it
+    is a view), written with ``torch.save`` as DCP does, and dropped. FileSystemReader reads the result."""
+
+    def write_data(self, plan: SavePlan, planner) -> torch.futures.Future:
+        name = f"{plan.storage_data.prefix}0.distcp"
+        results = []
+        with open(Path(self.path) / name, "wb") as f:
+            for item in plan.items:
+                data = planner.resolve_data(item).detach().cpu()
+                if data.untyped_storage().nbytes() != data.nbytes:  # a view: torch.save would write its base
+                    data = data.clone(memory_format=torch.contiguous_format)
+                start = f.tell()
+                torch.save(data, f)
+                del data
+                results.append(WriteResult(item.index, f.tell() - start, _StorageInfo(name, start, f.tell() - start)))
+            f.flush()
+            os.fsync(f.fileno())
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(results)
+        return done
+
+
+# ---- saving and loading ----------------------------------------------------------------------------
+
 def save(compiled, directory: str | Path, step: int) -> Path:
-    """Save model (full tensors, original FQNs) and optimizer (per rank) at ``step``; every rank calls it."""
+    """Save this rank's shards of the model and the optimizer at ``step`` under ``directory/step_<N>``;
+    every rank calls it. Nothing is gathered. Returns the checkpoint's path."""
     directory = Path(directory)
     final = directory / f"step_{step:08d}"
     partial = directory / f"step_{step:08d}.partial"
@@ -47,14 +129,17 @@ def save(compiled, directory: str | Path, step: int) -> Path:
         shutil.rmtree(partial, ignore_errors=True)  # left by an earlier interrupted save
         partial.mkdir()
     _barrier()
-    state = compiled.full_state_dict()
-    dcp.save({"model": state}, checkpoint_id=str(partial))
-    if compiled.optimizer is not None:
-        torch.save(compiled.optimizer.state_dict(), partial / f"optim.rank{_rank()}.pt")
+    held = local_state(compiled, optimizer=compiled.optimizer is not None)
+    with warnings.catch_warnings():  # on one process DCP warns that it saves without a process group
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save(held, storage_writer=_StreamingWriter(str(partial)), planner=_ChunkSavePlanner())
     _barrier()
     if _rank() == 0:
-        (partial / "fxpar.json").write_text(json.dumps({"step": step, "plan": compiled.plan.to_dict(),
-                                                        "world": compiled.world}, default=str))
+        program = compiled.program
+        meta = {"format": FORMAT, "step": step, "plan": compiled.plan.to_dict(), "world": compiled.world,
+                "aliases": {a: p.fqn for p in program.params.values() for a in p.fqns if a != p.fqn},
+                "param_groups": _groups(compiled.optimizer)}
+        (partial / "fxpar.json").write_text(json.dumps(meta, default=str))
         if final.exists():
             trash = directory / f"step_{step:08d}.old"
             shutil.rmtree(trash, ignore_errors=True)
@@ -78,47 +163,154 @@ def latest(directory: str | Path) -> Path | None:
 
 
 def info(path: str | Path) -> dict:
+    """``fxpar.json`` of a checkpoint: ``step``, ``plan``, ``world`` (and, from format 2, ``aliases``)."""
     return json.loads((Path(path) / "fxpar.json").read_text())
 
 
+def model_source(path: str | Path) -> CheckpointReader:
+    """A checkpoint (a ``step_<N>`` directory, or the directory ``save`` wrote into: its latest) as
+    ``compile(..., weights=...)``: each rank reads only the chunks of its own TP shards."""
+    return CheckpointReader(path)
+
+
 def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """The model's full tensors by original FQN (every rank reads them; pass them as ``weights=``)."""
-    path = Path(path)
-    if not (path / "fxpar.json").is_file():
-        raise PlanError(f"{path} is not a complete fxpar checkpoint (no fxpar.json); use checkpoint.latest(dir)")
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
-    state = {}
-    for key, md in meta.state_dict_metadata.items():
-        if key.startswith("model.") and hasattr(md, "size"):
-            state[key[len("model."):]] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load({"model": state}, checkpoint_id=str(path))
+    """The model's full tensors by original FQN, tied aliases included (every rank that calls it reads
+    them all: prefer ``weights=model_source(path)``, which reads only a rank's shards)."""
+    ckpt = CheckpointReader(path)
+    held = {}
+    for key in ckpt.keys("model."):
+        md = ckpt.metadata.state_dict_metadata[key]
+        t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        held[key] = Held(tuple(md.size), t.dtype, [((0,) * t.dim(), t)])
+    ckpt.read(held)
+    state = {k[len("model."):]: h.chunks[0][1] for k, h in held.items()}
+    state.update({a: state[c] for a, c in ckpt.aliases.items() if c in state})
     return state
 
 
 def load_optimizer(compiled, path: str | Path) -> None:
-    """Restore this rank's optimizer state (same plan as at save time)."""
-    saved = info(path)
+    """Restore the optimizer state saved at ``path`` into ``compiled``'s optimizer on this rank, under any
+    plan: each rank reads its own parameters' (or ZeRO shards') parts of every state by FQN. The states
+    are bitwise those saved, so training resumes as if uninterrupted (up to the new plan's own rounding)."""
+    ckpt = CheckpointReader(path)
+    opt = compiled.optimizer
+    if not ckpt.keys("optim."):  # saved before any step (nothing to restore), or by format 1
+        return _load_rank_files(compiled, ckpt) if (ckpt.path / f"optim.rank{_rank()}.pt").is_file() else None
+    if opt is None:
+        return
+    _init_optimizer_state(opt)
+    ckpt.read(local_state(compiled, optimizer=True, writers_only=False))
+    groups = ckpt.info.get("param_groups") or []
+    if groups and len(groups) != len(opt.param_groups):
+        raise PlanError(f"optimizer state in {ckpt.path} has {len(groups)} parameter groups, this optimizer "
+                        f"{len(opt.param_groups)}: build the optimizer with the same groups")
+    for group, saved in zip(opt.param_groups, groups):
+        for k, v in saved.items():
+            if k not in group or k == "params":
+                continue
+            if isinstance(group[k], torch.Tensor):
+                group[k].fill_(v)
+            else:
+                group[k] = type(group[k])(v) if isinstance(group[k], (tuple, float, int)) else v
+
+
+def _load_rank_files(compiled, ckpt: CheckpointReader) -> None:
+    """Format 1: ``optim.rank<r>.pt``, resumable under the same plan only."""
+    saved = ckpt.info
     if saved["plan"] != compiled.plan.to_dict() or saved["world"] != compiled.world:
-        raise PlanError(f"optimizer state in {path} was saved under plan {saved['plan']} on {saved['world']} ranks; "
-                        f"it resumes only under the same plan (the model weights load under any plan)")
-    state = torch.load(Path(path) / f"optim.rank{_rank()}.pt", weights_only=True)
-    compiled.optimizer.load_state_dict(state)
+        raise PlanError(f"optimizer state in {ckpt.path} was saved under plan {saved['plan']} on {saved['world']} "
+                        "ranks by an older fxpar; it resumes only under that plan (the weights load under any)")
+    compiled.optimizer.load_state_dict(torch.load(ckpt.path / f"optim.rank{_rank()}.pt", weights_only=True))
 
 
-def export_hf(compiled, directory: str | Path) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` that ``from_pretrained`` loads (every rank calls)."""
-    from safetensors.torch import save_file
+def _groups(opt) -> list[dict]:
+    """The optimizer's hyperparameters per group (numbers, flags, tuples), JSON-ready."""
+    if opt is None:
+        return []
+    keep = (bool, int, float, str, tuple, list, type(None))
+    return [{k: (v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v) for k, v in g.items()
+             if k != "params" and (isinstance(v, keep) or isinstance(v, torch.Tensor) and v.dim() == 0)}
+            for g in opt.param_groups]
 
+
+def _init_optimizer_state(opt) -> None:
+    """Create the optimizer's per-parameter states (torch makes them at the first step) so that a load has
+    tensors to fill: one step with zero gradients and a learning rate of 0, which leaves the parameters as
+    they are; the states it makes are overwritten by the load."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if all(p in opt.state for p in params):
+        return
+    lrs = [g["lr"] for g in opt.param_groups]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    for p, grad in zip(params, grads):
+        p.grad = grad
+
+
+# ---- Hugging Face export ---------------------------------------------------------------------------
+
+def export_hf(compiled, directory: str | Path, max_shard_size: int | str = "5GB") -> Path:
+    """Write ``config.json`` and the model in ``save_pretrained``'s safetensors layout (``model.safetensors``,
+    or ``model-0000i-of-0000N.safetensors`` files and ``model.safetensors.index.json`` when it passes
+    ``max_shard_size``), which ``from_pretrained`` loads. Every rank calls it; tensors are gathered on rank
+    0 one at a time, each from the ranks that write it in a checkpoint, and written at once, so no rank
+    holds more than its shards and one full tensor. Tied weights are written once (transformers ties
+    them again)."""
     directory = Path(directory)
-    state = compiled.full_state_dict()
-    if _rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        compiled.model.config.save_pretrained(directory)
-        tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-        program = compiled.program
-        for group in program.tied_groups():  # one copy per tied group: transformers ties them again
-            for alias in group[1:]:
-                tensors.pop(alias, None)
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    program = compiled.program
+    held = local_state(compiled)
+    mine = [(k[len("model."):], h.shape, h.dtype, [(o, tuple(v.shape)) for o, v in h.chunks]) for k, h in held.items()]
+    every = [None] * compiled.world if _rank() == 0 else None
+    if dist.is_initialized() and compiled.world > 1:
+        dist.gather_object(mine, every, dst=0)
+    else:
+        every = [mine]
+    order, seen = [], {a for group in program.tied_groups() for a in group[1:]}  # tied: the first name only
+    for name in compiled.model.state_dict(keep_vars=True):
+        if name not in seen and _canonical(program, name) not in seen:
+            seen.add(_canonical(program, name))
+            order.append(name)
+    writer = SafetensorsWriter(directory, max_shard_size) if _rank() == 0 else None
+    if writer is not None:
+        pieces = {}  # canonical FQN -> [(rank, offsets, sizes)]
+        for r, items in enumerate(every):
+            for fqn, shape, dtype, chunks in items:
+                pieces.setdefault(fqn, [shape, dtype, []])[2] += [(r, o, z) for o, z in chunks]
+        writer.begin(compiled.model.config, [(n, *pieces[_canonical(program, n)][:2]) for n in order
+                                             if _canonical(program, n) in pieces])
+    for name in order:
+        fqn = _canonical(program, name)
+        if writer is not None:
+            if fqn not in pieces:
+                continue
+            shape, dtype, chunks = pieces[fqn]
+            full = torch.empty(shape, dtype=dtype, device=compiled.device)
+            local = dict(held.get("model." + fqn, Held((), dtype)).chunks)
+            for r, o, z in chunks:
+                box = full[tuple(slice(a, a + n) for a, n in zip(o, z))]
+                if r == 0:
+                    box.copy_(local[o])
+                else:
+                    buf = torch.empty(z, dtype=dtype, device=compiled.device)
+                    dist.recv(buf, src=r)
+                    box.copy_(buf)
+            writer.write(name, full.cpu())
+            del full
+        elif "model." + fqn in held:
+            for _, view in held["model." + fqn].chunks:
+                dist.send(view.contiguous(), dst=0)
     _barrier()
     return directory
+
+
+def _canonical(program, name: str) -> str:
+    try:
+        return program.canonical(name)
+    except KeyError:
+        return name

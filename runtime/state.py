@@ -1,12 +1,21 @@
-"""The full state of a compiled model on every rank: parameters (or their gradients) under the
-original FQNs, gathered from TP shards, ZeRO-3 shards and the pipeline ranks that hold them."""
+"""The state of a compiled model under the original FQNs: :func:`full_state_dict`, full tensors on every
+rank (parameters or their gradients, gathered from TP shards, ZeRO-3 shards and the pipeline ranks that
+hold them); :func:`local_state`, what this rank holds of each full tensor, as boxes of it (for sharded
+checkpoints: nothing is gathered)."""
 
 from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from fxpar.ir.errors import PlanError
 from fxpar.ir.mesh import MeshSpec
+from fxpar.ir.placement import ShardLayout
 from fxpar.ir.stage import CompileResult
 from fxpar.runtime.groups import resolve_group
 
@@ -49,3 +58,179 @@ def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpe
             dist.broadcast(full, src=owner[fqn] * mesh.tp)
         out[name] = full
     return out
+
+
+# ---- what this rank holds of each full tensor (sharded checkpoints) ---------------------------------
+
+@dataclass
+class Held:
+    """What this rank holds of one full tensor of ``shape``: ``chunks``, each ``(offsets, view)``: where a
+    box starts in the full tensor and a view of this rank's memory with the box's sizes (writing into the
+    view writes into the parameter, the ZeRO shard or the optimizer state it belongs to)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: list[tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=list)
+
+
+def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Boxes ``(offsets, sizes)`` covering entries ``[a, b)`` of a row-major tensor of ``shape``: at most a
+    partial first row, a block of whole rows and a partial last row, each level down (2 * dims - 1 boxes).
+
+        >>> flat_boxes((3, 4), 2, 11)
+        [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 3))]
+    """
+    if a >= b:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = a // inner, (b - 1) // inner
+    if first == last:
+        return [((first, *o), (1, *s)) for o, s in flat_boxes(shape[1:], a - first * inner, b - first * inner)]
+    out = []
+    if a % inner:
+        out += [((first, *o), (1, *s)) for o, s in flat_boxes(shape[1:], a % inner, inner)]
+        first += 1
+    whole = b // inner  # rows [first, whole) are whole
+    if whole > first:
+        out.append(((first, *[0] * (len(shape) - 1)), (whole - first, *shape[1:])))
+    if b % inner:
+        out += [((whole, *o), (1, *s)) for o, s in flat_boxes(shape[1:], 0, b % inner)]
+    return out
+
+
+def place_tp(layout: ShardLayout | None, tp_rank: int, local_shape, offsets, view) -> list[tuple[tuple, torch.Tensor]]:
+    """Where a box of TP rank ``tp_rank``'s shard (``offsets`` in the shard, ``view`` its data) lies in the
+    full tensor: one box per fused piece it crosses (``layout.pieces``), as ``(full offsets, view)``."""
+    if layout is None:
+        return [(tuple(offsets), view)]
+    d = layout.dim
+    lo, hi = offsets[d], offsets[d] + view.shape[d]
+    out, local_start, full_start = [], 0, 0
+    for piece in layout.pieces or [layout.full_shape(local_shape)[d]]:
+        step = piece // layout.parts
+        a, b = max(lo, local_start), min(hi, local_start + step)
+        if a < b:
+            o = list(offsets)
+            o[d] = full_start + tp_rank * step + (a - local_start)
+            out.append((tuple(o), view.narrow(d, a - lo, b - a)))
+        local_start, full_start = local_start + step, full_start + piece
+    return out
+
+
+def _flat_geometry(bucket, lo: int, hi: int, canonical):
+    """Entries ``[lo, hi)`` of a flat bucket (ZeRO-3 parameters, ZeRO-1/2 optimizer shards): for a tensor
+    laid out like that range, each parameter's boxes in its TP shard as views (``as_strided``) of it."""
+    def geometry(flat: torch.Tensor):
+        out = []
+        for name, off, n, shape in zip(bucket.names, bucket.offsets, bucket.numels, bucket.shapes):
+            s, e = max(off, lo), min(off + n, hi)
+            if s >= e:
+                continue
+            strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+            boxes = []
+            for o, z in flat_boxes(shape, s - off, e - off):
+                start = (s - lo) + sum(i * st for i, st in zip(o, strides)) - (s - off)
+                boxes.append((o, flat.as_strided(z, strides, flat.storage_offset() + start)))
+            out.append((canonical(name), shape, boxes, True))
+        return out
+    return geometry
+
+
+def _plain_geometry(fqn: str):
+    return lambda t: [(fqn, tuple(t.shape), [((0,) * t.dim(), t)], False)]
+
+
+def local_state(compiled, *, optimizer: bool = False, writers_only: bool = True) -> dict[str, Held]:
+    """This rank's pieces of the model's tensors (``"model.<fqn>"``) and, with ``optimizer``, of its
+    optimizer states (``"optim.<fqn>.<state>"``, e.g. ``exp_avg``), by original FQN and position in the
+    full tensor: TP shards (fused pieces apart), ZeRO-3 and ZeRO-1/2 flat shards mapped back to boxes of
+    each parameter. No tensor is gathered or copied: every chunk is a view.
+
+    ``writers_only``: only the chunks this rank writes, so that each entry of each full tensor has exactly
+    one writer: the owning pipeline rank (the first stage holding it, for tied parameters), one data-parallel
+    replica of what is replicated over dp (chosen by FQN, to spread the bytes) or each dp rank its own
+    ZeRO slice, and one TP rank of what TP does not cut. Without it: everything this rank holds (to load
+    into). Scalar states (``step``) go with the chunk at the tensor's origin."""
+    result, mesh, program = compiled.result, compiled.spec, compiled.result.program
+    pipeline, tp = result.pipeline, result.tp
+    owner: dict[str, int] = {}
+    for stage in pipeline.stages:
+        for fqn in stage.params + stage.buffers:
+            owner.setdefault(fqn, stage.rank)
+
+    def canonical(name: str) -> str:
+        try:
+            return program.canonical(name)
+        except KeyError:
+            return name
+
+    def writes(fqn: str, per_dp: bool) -> bool:
+        if owner.get(fqn, mesh.pp_rank) != mesh.pp_rank:
+            return False
+        sharded, pick = tp.layout(fqn) is not None, zlib.crc32(fqn.encode())
+        if per_dp:
+            return sharded or mesh.tp_rank == 0
+        if sharded:
+            return mesh.dp_rank == pick % mesh.dp
+        return (mesh.dp_rank, mesh.tp_rank) == divmod(pick % (mesh.dp * mesh.tp), mesh.tp)
+
+    out: dict[str, Held] = {}
+
+    def add(key: str, entries, dtype: torch.dtype) -> None:
+        for fqn, local_shape, boxes, per_dp in entries:
+            if writers_only and not writes(fqn, per_dp):
+                continue
+            layout = tp.layout(fqn)
+            full = tuple(layout.full_shape(local_shape) if layout else local_shape)
+            held = out.setdefault(key.format(fqn), Held(full, dtype))
+            for o, v in boxes:
+                held.chunks += place_tp(layout, mesh.tp_rank, local_shape, o, v)
+
+    geometry: dict[int, Callable] = {}  # id(tensor an optimizer steps) -> its geometry
+    persistent = {canonical(n) for n in compiled.model.state_dict(keep_vars=True)}
+    done: set[str] = set()
+    for stage in pipeline.stages_of(mesh.pp_rank):
+        for b in result.zero3_buckets.get(stage.index, []):
+            geometry[id(b.shard)] = _flat_geometry(b, *b.shard_range(mesh.dp_rank), canonical)
+            add("model.{}", geometry[id(b.shard)](b.shard.detach()), b.shard.dtype)
+            done.update(canonical(n) for n in b.names)
+        for name, p in stage.gm.named_parameters():
+            geometry.setdefault(id(p), _plain_geometry(canonical(name)))
+        for fqn in stage.params + stage.buffers:
+            if fqn not in done and fqn in persistent:
+                t = program.tensor(fqn)
+                add("model.{}", _plain_geometry(fqn)(t.detach()), t.dtype)
+            done.add(fqn)
+    if mesh.rank == 0:  # tensors of the model the traced program does not bind: rank 0 has them whole
+        for name, t in compiled.model.state_dict(keep_vars=True).items():
+            if canonical(name) not in done and name not in program.params and not t.is_meta:
+                add("model.{}", _plain_geometry(name)(t.detach()), t.dtype)
+    if optimizer and compiled.optimizer is not None:
+        engine = compiled.engine
+        for b in engine.buckets if engine is not None else []:
+            if b.shard is not None:  # ZeRO-1/2: the optimizer steps this rank's slice of each bucket
+                geometry[id(b.shard)] = _flat_geometry(b, b.lo, b.hi, canonical)
+        for p, state in _optimizer_states(compiled.optimizer, geometry):
+            where = geometry[id(p)]
+            for k, v in state.items():
+                if v.shape == p.shape:
+                    add(f"optim.{{}}.{k}", where(v.detach()), v.dtype)
+                    continue
+                for fqn, _, boxes, per_dp in where(p.detach()):  # a scalar (step): once per FQN, kept by
+                    origin = any(not any(o) for o, _ in boxes) and (mesh.tp_rank == 0 or tp.layout(fqn) is None)
+                    if not writers_only or origin and writes(fqn, per_dp):  # the writer of the origin
+                        out[f"optim.{fqn}.{k}"] = Held((), v.dtype, [((), v.detach())])
+    return out
+
+
+def _optimizer_states(opt, geometry: dict):
+    """(parameter, its tensor states of its own shape or scalar) for every parameter ``opt`` steps."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if id(p) not in geometry:
+                raise PlanError(f"an optimizer parameter of shape {tuple(p.shape)} belongs to no stage of this "
+                                "rank: give compile an optimizer factory that uses the parameters it is given")
+            yield p, {k: v for k, v in opt.state.get(p, {}).items()
+                      if isinstance(v, torch.Tensor) and (v.shape == p.shape or v.dim() == 0)}

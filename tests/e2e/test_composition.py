@@ -99,12 +99,12 @@ KILLED_SAVE = textwrap.dedent("""
     compiled.step(**batch)
     checkpoint.save(compiled, directory, 1)
     compiled.step(**batch)
-    original = fs.FileSystemWriter.write_data
-    def slow(self, *a, **k):  # the second save stalls while writing: the parent kills us here
+    original = fs.FileSystemWriter.finish
+    def slow(self, *a, **k):  # the second save stalls before its metadata: the parent kills us here
         print("WRITING", flush=True)
         time.sleep(600)
         return original(self, *a, **k)
-    fs.FileSystemWriter.write_data = slow
+    fs.FileSystemWriter.finish = slow
     checkpoint.save(compiled, directory, 2)
 """)
 
