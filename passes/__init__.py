@@ -18,6 +18,7 @@ from fxpar.ir.stage import PipelineProgram
 from fxpar.passes.drop_dtype_asserts import drop_dtype_asserts
 from fxpar.passes.materialize_weights import materialize_weights
 from fxpar.passes.pipeline_split import loss_position, split_pipeline
+from fxpar.passes.recompute import recompute
 from fxpar.passes.retarget_device import retarget_device
 from fxpar.passes.runner import Pass, PassContext, PassOutputs, Runner
 from fxpar.passes.tensor_parallel import tensor_parallel
@@ -62,6 +63,10 @@ STAGE_PASSES = (  # StageSpec -> StageSpec, only the stages this rank runs, pass
     Pass("zero3", _zero3, when=lambda c: c.plan.zero == 3),  # after TP and split: shards what this rank holds
     Pass("drop_dtype_asserts", drop_dtype_asserts,
          when=lambda c: c.plan.mixed_precision == "bf16"),  # bf16 autocast makes the traced fp32 asserts false
+    # last: it outlines each layer into a submodule no other pass looks into; after materialize_weights
+    # (weights land on the stage's get_attr targets) and zero3 (each bucket's gather moves into the one
+    # layer reading it, so backward regathers it by recomputing instead of holding the gathered bucket)
+    Pass("recompute", recompute, when=lambda c: c.plan.recompute != "none"),
 )
 
 

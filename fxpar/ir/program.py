@@ -223,12 +223,24 @@ def _spec_children(in_spec: pytree.TreeSpec) -> tuple[int, list[str]]:
 
 
 def iter_nodes(gm: torch.fx.GraphModule, *, recurse: bool = True):
-    """Nodes of ``gm`` and, when ``recurse``, of the subgraphs its higher-order ops call, depth first."""
+    """Nodes of ``gm`` and, when ``recurse``, of the subgraphs its higher-order ops and outlined
+    submodules (``call_module`` of a graph, e.g. a recomputed layer) call, depth first."""
     for node in gm.graph.nodes:
         yield node
         if recurse:
-            for sub in subgraphs_of(gm, node):
+            for sub in subgraphs_of(gm, node) + called_graphs(gm, node):
                 yield from iter_nodes(sub, recurse=True)
+
+
+def called_graphs(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[torch.fx.GraphModule]:
+    """The graph a ``call_module`` node runs: the submodule itself if it is a GraphModule, else the
+    GraphModules it wraps (its direct children)."""
+    if node.op != "call_module":
+        return []
+    sub = gm.get_submodule(node.target)
+    if isinstance(sub, torch.fx.GraphModule):
+        return [sub]
+    return [c for c in sub.children() if isinstance(c, torch.fx.GraphModule)]
 
 
 def subgraphs_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[torch.fx.GraphModule]:
