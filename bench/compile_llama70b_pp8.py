@@ -5,7 +5,9 @@
 One process stands for rank 0 of 8 through torch's fake process group (collectives are no-ops), which
 is all compile needs: tracing, costing, choosing cuts, splitting into stages and building the schedule
 happen identically on every rank before any communication. Prints the stage table and the balance
-of fxpar's cuts beside the even-layers and parameter-count splits.
+of fxpar's cuts beside the even-layers and parameter-count splits, and the bytes each boundary carries
+per microbatch (read from the stages' routing tables), checked to be the hidden state (1 x seq x hidden
+x 4 B) plus only values a gradient flows through, and equal to the cost model's send/recv bytes.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main() -> None:
              f"parameter count (PiPPy) {params:.3f}",
              f"- predicted step {compiled.predicted['step_time']:.2f} s on {compiled.predicted['device']}, "
              f"bubble {100 * compiled.predicted['bubble']:.1f}%"]
+    lines += boundary_lines(compiled, a.seq, model.config.hidden_size)
     print(report.stage_table())
     print("\n".join(lines))
     if a.write:
@@ -66,6 +69,27 @@ def main() -> None:
                     f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__})\n\n"
                     + "\n".join(lines) + "\n\n```\n" + report.stage_table() + "\n```\n")
     dist.destroy_process_group()
+
+
+def boundary_lines(compiled, seq: int, hidden: int) -> list[str]:
+    """Bytes per boundary per microbatch, what is sent beside what the cost model priced; fails unless
+    every boundary carries the hidden state plus only values that depend on an earlier stage's weights."""
+    pipeline = compiled.pipeline
+    state = 1 * seq * hidden * 4
+    links = pipeline.links()
+    out = [f"- bytes per boundary per microbatch (hidden state 1 x {seq} x {hidden} x 4 B = {state} B):"]
+    for (frm, to), b in sorted(links.items()):
+        extra = [n for n, _, cons in pipeline.stages[frm].sends() if to in cons]
+        out.append(f"  - stage {frm} -> {to}: {b} B ({', '.join(extra)})")
+    for st in pipeline.stages:
+        grads = [g for g, c in zip(st.output_needs_grad, st.consumers) if c]
+        assert all(grads), f"stage {st.index} sends a value no gradient flows through"
+        assert st.send_bytes == sum(b for (f, _), b in links.items() if f == st.index), "cost model != sends"
+        assert st.recv_bytes == sum(b for (_, t), b in links.items() if t == st.index), "cost model != sends"
+    assert sorted(links) == [(s, s + 1) for s in range(len(pipeline.stages) - 1)], sorted(links)
+    assert all(b == state for b in links.values()), links
+    out.append(f"  - every boundary: {state} B = the hidden state only; the stage table's send/recv agree")
+    return out
 
 
 if __name__ == "__main__":

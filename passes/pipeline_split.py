@@ -10,8 +10,12 @@ Writes: one ``GraphModule`` per stage (node meta copied) and the routing tables 
   optimisers see Hugging Face names, and a parameter read by two stages (tied embedding and LM head)
   lives on both.
 - User inputs are given to every rank, so a stage reads them directly (labels go straight to the
-  last stage). A value computed on one stage and read by later ones (attention mask, rotary tables)
-  is an output of its stage, sent straight to every stage that reads it, not relayed stage by stage.
+  last stage). A value that a later stage can compute cheaply from what every stage has (user inputs,
+  buffers, constants: an attention mask, rotary tables, position ids;
+  ``fxpar.cost.boundary.recomputable`` states the rule) is recomputed there: the nodes it is made from
+  are copied into that stage. Any other value computed on one stage and read by later ones (the hidden
+  state, anything that depends on a parameter) is an output of its stage, sent straight to every stage
+  that reads it, not relayed stage by stage; ``fxpar.cost.boundary.routed_bytes`` counts the same sends.
 - ``fxpar.ir.analysis.grad_flow`` marks values through which a gradient flows (they depend on a trainable parameter);
   only those get gradients sent back.
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from fxpar.cost.boundary import recomputable
 from fxpar.cost.partition import cut_position, module_positions, top_nodes
 from fxpar.ir import meta
 from fxpar.ir.analysis import grad_flow
@@ -65,6 +70,7 @@ def split_pipeline(program: Program, cuts: list[tuple[str, str]], stage_to_rank:
             stage_of[n] = s
     n_stages = len(bounds) - 1
     grad = grad_flow(program)
+    recompute = recomputable(program)
     binding = {b.placeholder: b for b in program.inputs}
     output_node = next(n for n in program.graph.nodes if n.op == "output")
     flat_outputs = list(output_node.args[0])
@@ -79,6 +85,8 @@ def split_pipeline(program: Program, cuts: list[tuple[str, str]], stage_to_rank:
                 if user.op != "output" and stage_of[user] < stage_of[node]:
                     raise PlanError(f"node {node.name} ({node.meta.get(meta.MODULE)}) on stage "
                                     f"{stage_of[node]} feeds {user.name} on earlier stage {stage_of[user]}")
+                if user.op != "output" and node in recompute:
+                    continue  # the reading stage makes it again
                 if node not in consumers:
                     consumers[node] = set()
                     outputs[stage_of[node]].append(node)
@@ -115,6 +123,11 @@ def split_pipeline(program: Program, cuts: list[tuple[str, str]], stage_to_rank:
             elif a.op == "get_attr":  # a higher-order op's body
                 set_nested(root, a.target, getattr(program.gm, a.target))
                 new = g.get_attr(a.target)
+            elif a in recompute:  # copy the nodes it is made from into this stage
+                for b in a.all_input_nodes:
+                    bring(b)
+                env[a] = g.node_copy(a, lambda x: env[x])
+                return env[a]
             else:
                 producer = stage_of[a]
                 new = g.placeholder(a.name)

@@ -10,6 +10,8 @@ less than a block when a vocabulary-sized head or embedding would otherwise leav
 its boundary transfers (activations in, gradients back) by dynamic programming over the candidates,
 every node weighted by the roofline model of :mod:`fxpar.cost.device` (so the LM head counts its
 vocabulary-sized matmul and the memory-bound loss over the logits, the embedding its gather).
+Boundary bytes leave out what every stage recomputes instead of receiving (masks, rotary tables:
+:mod:`fxpar.cost.boundary`); :func:`stage_costs` counts exactly what the split sends.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from dataclasses import dataclass
 
 import torch.fx
 
+from fxpar.cost.boundary import recomputable, routed_bytes, value_bytes
 from fxpar.cost.device import H100, DeviceModel
 from fxpar.ir import meta
+from fxpar.ir.analysis import grad_flow
 from fxpar.ir.errors import PlanError
-from fxpar.ir.numeric import nbytes
 from fxpar.ir.program import Program, iter_nodes, subgraphs_of
 
 _SKIP = ("placeholder", "output", "get_attr")
@@ -39,6 +42,8 @@ class StageCost:
     send_bytes: int
     params: int
     transfer: float  # seconds: activations in and out, their gradients back
+    grad_send_bytes: int = 0  # gradients sent back to earlier stages
+    grad_recv_bytes: int = 0
 
     @property
     def total(self) -> float:
@@ -106,36 +111,36 @@ def node_times(program: Program, device: DeviceModel) -> list[tuple[float, float
     return times
 
 
-def _nbytes(val) -> int:
-    """Bytes of a value: a tensor's, summed over tuples and lists, 0 for anything else."""
-    if isinstance(val, (tuple, list)):
-        return sum(_nbytes(v) for v in val)
-    return nbytes(val) or 0
+def crossing_bytes(program: Program, recompute: set[torch.fx.Node] | None = None) -> tuple[list[int], list[int]]:
+    """For each position c (0..N): bytes of values made before c and read at or after c, and of their
+    gradients (values a gradient flows through).
 
-
-def crossing_bytes(program: Program) -> list[int]:
-    """For each position c (0..N): bytes of values made before c and read at or after c.
-
-    User inputs and parameters are local to every stage, so only computed values count.
+    User inputs, parameters, buffers and constants are local to every stage, and values a stage
+    recomputes (:func:`fxpar.cost.boundary.recomputable`) are not sent, so neither counts. When every
+    value read across c is read by the next stage only, these are exactly the bytes sent at c.
     """
+    recompute = recomputable(program) if recompute is None else recompute
+    grad = grad_flow(program)
     nodes = top_nodes(program)
     pos = {n: i for i, n in enumerate(nodes)}
-    delta = [0] * (len(nodes) + 2)
+    delta, gdelta = [0] * (len(nodes) + 2), [0] * (len(nodes) + 2)
     for i, node in enumerate(nodes):
         last = max((pos[u] for u in node.users if u in pos), default=None)
-        if node.users and any(u.op == "output" for u in node.users):
-            last = len(nodes)  # read by the program's output: leaves the last stage only
-        if last is None or last <= i:
+        if last is None or last <= i or node in recompute:
             continue
-        b = _nbytes(node.meta.get(meta.VAL))
+        b = value_bytes(node.meta.get(meta.VAL))
         delta[i + 1] += b
         delta[last + 1] -= b
-    out, run = [], 0
+        if node in grad:
+            gdelta[i + 1] += b
+            gdelta[last + 1] -= b
+    out, gout, run, grun = [], [], 0, 0
     for c in range(len(nodes) + 1):
-        run += delta[c]
+        run, grun = run + delta[c], grun + gdelta[c]
         out.append(run)
-    out[-1] = 0  # nothing is sent after the last node
-    return out
+        gout.append(grun)
+    out[-1] = gout[-1] = 0  # nothing is sent after the last node
+    return out, gout
 
 
 def _param_counts(program: Program) -> list[int]:
@@ -152,11 +157,11 @@ def _param_counts(program: Program) -> list[int]:
 
 
 class _Costs:
-    """Prefix sums so that any stage [a, b) costs O(1)."""
+    """Prefix sums so that any stage [a, b) costs O(1) for the dynamic program."""
 
     def __init__(self, program: Program, device: DeviceModel):
         self.times = node_times(program, device)
-        self.cross = crossing_bytes(program)
+        self.cross, self.gcross = crossing_bytes(program)
         self.device = device
         self.pf, self.pb, self.pp = [0.0], [0.0], [0]
         for (f, b), p in zip(self.times, _param_counts(program)):
@@ -164,30 +169,32 @@ class _Costs:
             self.pb.append(self.pb[-1] + b)
             self.pp.append(self.pp[-1] + p)
 
-    def stage(self, a: int, b: int, first_module: str = "") -> StageCost:
-        recv, send = self.cross[a] if a else 0, self.cross[b] if b < len(self.times) else 0
-        xfer = 2 * (self.device.transfer_time(recv) + self.device.transfer_time(send))  # fwd + grads
-        return StageCost(first_module, a, b, self.pf[b] - self.pf[a], self.pb[b] - self.pb[a], recv, send,
-                         self.pp[b] - self.pp[a], xfer)
-
     def total(self, a: int, b: int) -> float:
-        """``stage(a, b).total`` without building the record (the dynamic program calls this a lot)."""
-        d, n = self.device, len(self.times)
-        xfer = 0.0
-        if a and self.cross[a]:
-            xfer += self.cross[a] / d.link_bw + d.link_latency
-        if b < n and self.cross[b]:
-            xfer += self.cross[b] / d.link_bw + d.link_latency
-        return self.pf[b] - self.pf[a] + self.pb[b] - self.pb[a] + 2 * xfer
+        """Forward + backward + transfer time of stage [a, b): activations in at ``a`` and out at ``b``,
+        gradients of those a gradient flows through the other way."""
+        t, n = self.device.transfer_time, len(self.times)
+        xfer = (t(self.cross[a]) + t(self.gcross[a]) if a else 0.0) + \
+            (t(self.cross[b]) + t(self.gcross[b]) if b < n else 0.0)
+        return self.pf[b] - self.pf[a] + self.pb[b] - self.pb[a] + xfer
 
 
 def stage_costs(program: Program, cuts: list[tuple[str, str]], device: DeviceModel = H100) -> list[StageCost]:
-    """The cost of each stage for the given cuts."""
+    """The cost of each stage for the given cuts; its bytes are the ones the split sends
+    (:func:`fxpar.cost.boundary.routed_bytes`: each value once to each stage reading it)."""
     spans = module_positions(program)
     costs = _Costs(program, device)
     bounds = [0] + [cut_position(spans, c) for c in cuts] + [len(costs.times)]
     names = [""] + [m if w == "beginning" else f"after {m}" for m, w in cuts]
-    return [costs.stage(bounds[i], bounds[i + 1], names[i]) for i in range(len(names))]
+    routed = routed_bytes(program, bounds)
+    t = device.transfer_time
+    out = []
+    for i, name in enumerate(names):
+        a, b = bounds[i], bounds[i + 1]
+        recv, send = routed["recv"][i], routed["send"][i]
+        xfer = t(recv) + t(send) + t(routed["grad_send"][i]) + t(routed["grad_recv"][i])
+        out.append(StageCost(name, a, b, costs.pf[b] - costs.pf[a], costs.pb[b] - costs.pb[a], recv, send,
+                             costs.pp[b] - costs.pp[a], xfer, routed["grad_send"][i], routed["grad_recv"][i]))
+    return out
 
 
 def balanced_cuts(program: Program, n_stages: int, device: DeviceModel = H100,

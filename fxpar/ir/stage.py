@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from fxpar.ir.numeric import nbytes
+
 
 @dataclass(frozen=True)
 class ValueRef:
@@ -43,8 +45,8 @@ class StageSpec:
     fwd_time: float = 0.0  # predicted seconds per microbatch (cost model)
     bwd_time: float = 0.0
     transfer_time: float = 0.0  # predicted seconds of its sends and receives, gradients included
-    recv_bytes: int = 0  # activation bytes received per microbatch
-    send_bytes: int = 0
+    recv_bytes: int = 0  # predicted activation bytes received per microbatch (cost model)
+    send_bytes: int = 0  # predicted bytes sent per microbatch: each output once to each stage reading it
     modules: list[str] = field(default_factory=list)  # top-level units it runs, for reading
 
     def output_nodes(self) -> list[torch.fx.Node]:
@@ -54,6 +56,18 @@ class StageSpec:
     def output_val(self, index: int):
         """The FakeTensor (``val``) of output ``index``: its local shape and dtype."""
         return self.output_nodes()[index].meta["val"]
+
+    def sends(self) -> list[tuple[str, int, list[int]]]:
+        """What the stage sends per microbatch, read from its routing table: (output name, bytes, the
+        later stages it goes to) for each output a later stage reads."""
+        return [(node.name, _bytes(node.meta.get("val")), cons)
+                for node, cons in zip(self.output_nodes(), self.consumers) if cons]
+
+
+def _bytes(val) -> int:
+    if isinstance(val, (tuple, list)):
+        return sum(_bytes(v) for v in val)
+    return nbytes(val, missing=1) or 0
 
 
 @dataclass
@@ -70,6 +84,15 @@ class PipelineProgram:
 
     def stages_of(self, rank: int) -> list[StageSpec]:
         return [s for s in self.stages if s.rank == rank]
+
+    def links(self) -> dict[tuple[int, int], int]:
+        """(from stage, to stage) -> bytes sent forward per microbatch, read from the routing tables."""
+        out: dict[tuple[int, int], int] = {}
+        for s in self.stages:
+            for _, b, cons in s.sends():
+                for c in cons:
+                    out[(s.index, c)] = out.get((s.index, c), 0) + b
+        return out
 
 
 @dataclass

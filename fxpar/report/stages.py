@@ -12,15 +12,17 @@ from fxpar.report.table import columns, human
 
 
 def _boundary(stage: StageSpec) -> list[str]:
-    """'name f32[2, 8, 64] -> stages 2,3' for each value the stage sends on."""
-    rows = []
-    for node, cons in zip(stage.output_nodes(), stage.consumers):
-        if cons:
-            rows.append(f"{node.name} {describe_val(node.meta.get('val'))} -> {','.join(map(str, cons))}")
-    return rows
+    """'name f32[2, 8, 64] 4.10KB -> 2,3' for each value the stage sends on (per microbatch, per receiver)."""
+    vals = {n.name: n.meta.get("val") for n in stage.output_nodes()}
+    return [f"{name} {describe_val(vals[name])} {human(b, 'B')} -> {','.join(map(str, cons))}"
+            for name, b, cons in stage.sends()]
 
 
 def stage_rows(pipeline: PipelineProgram, params_of) -> list[dict]:
+    """One row per stage; ``links`` on each: bytes it sends per microbatch to each later stage, read
+    from the routing table (what the runtime sends), beside the cost model's ``recv_bytes`` /
+    ``send_bytes``."""
+    links = pipeline.links()
     rows = []
     for s in pipeline.stages:
         nxt = pipeline.stages[s.index + 1].first_module if s.index + 1 < len(pipeline.stages) else "(end)"
@@ -29,6 +31,7 @@ def stage_rows(pipeline: PipelineProgram, params_of) -> list[dict]:
             "params": sum(params_of(f) for f in s.params), "fwd_s": s.fwd_time, "bwd_s": s.bwd_time,
             "transfer_s": s.transfer_time,
             "recv_bytes": s.recv_bytes, "send_bytes": s.send_bytes, "sends": _boundary(s),
+            "links": {to: b for (frm, to), b in sorted(links.items()) if frm == s.index},
             "tied": sorted(f for f in s.params if f in pipeline.tied), "modules": list(s.modules),
         })
     return rows
@@ -55,6 +58,10 @@ def format_stage_table(rows: list[dict], predicted: dict | None = None, schedule
     if predicted:
         text.append(f"predicted {schedule} step with {microbatches} microbatches on {predicted['device']}: "
                     f"{_secs(predicted['step_time'])}, bubble {100 * predicted['bubble']:.1f}%")
+    text.append("bytes per boundary per microbatch (forward; gradients come back the same way where one flows):")
+    for r in rows:
+        for to, b in r.get("links", {}).items():
+            text.append(f"  stage {r['stage']} -> {to}: {b} B ({human(b, 'B')})")
     for r in rows:
         for send in r["sends"]:
             text.append(f"  stage {r['stage']} sends {send}")

@@ -60,3 +60,16 @@ def test_too_many_stages_is_a_clear_error(llama):
     n = len(P.cut_positions(llama, P.candidate_modules(llama)))
     with pytest.raises(PlanError, match=f"need {n + 1} cuts, but LlamaForCausalLM offers only {n}"):
         P.balanced_cuts(llama, n + 2)
+
+
+def test_boundary_bytes_are_the_hidden_state_at_every_block(llama):
+    """The mask and rotary tables are recomputed by each stage: at the start of any block only the
+    residual stream (batch x seq x hidden, fp32) crosses, and its gradient comes back."""
+    hidden = 2 * 16 * llama.root.config.hidden_size * 4
+    cross, gcross = P.crossing_bytes(llama)
+    spans = P.module_positions(llama)
+    for i in range(1, 4):
+        pos = spans[f"model.layers.{i}"][0]
+        assert cross[pos] == gcross[pos] == hidden
+    costs = P.stage_costs(llama, [("model.layers.2", "beginning")])
+    assert (costs[0].send_bytes, costs[1].recv_bytes, costs[1].grad_send_bytes) == (hidden, hidden, hidden)
