@@ -9,7 +9,10 @@ report and a planner can price a plan for any world on one process.
 * :func:`collective_bytes` gives raw payload bytes (the full, unsharded tensor each collective works
   on), :func:`collective_events` the same per node with the module it belongs to;
 * :func:`ring_bytes` / :func:`collective_ring_bytes` turn them into what each rank sends under ring
-  algorithms.
+  algorithms;
+* :func:`step_collectives`, :func:`data_parallel_collectives` and :func:`pipeline_transfers` give one
+  training step's communication per rank: the graph's collectives (TP, ZeRO-3) times the microbatches,
+  the data-parallel engine's gradient reduction and parameter gathering, the pipeline's sends.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from fxpar.ir.errors import FxparError
 from fxpar.ir.numeric import nbytes
 from fxpar.ir.ops import COLLECTIVE_OPS, collective_nodes, group_size
 
-__all__ = ["COMMS", "collective_bytes", "collective_events", "collective_ring_bytes", "ring_bytes"]
+__all__ = ["COMMS", "collective_bytes", "collective_events", "collective_ring_bytes", "data_parallel_collectives",
+           "pipeline_transfers", "ring_bytes", "step_collectives"]
 
 # op -> (communication its forward does, communication its backward does); None: no communication.
 COMMS: dict[str, tuple[str | None, str | None]] = {
@@ -108,3 +112,65 @@ def collective_ring_bytes(gm: torch.fx.GraphModule, *, backward: bool = False) -
             n = group_size(_node_arg(node, 1, "group"))
             out[kind] += sum(ring_bytes(c, _full_bytes(kind, node), n) for c in comm.split("+"))
     return out
+
+
+# ---- communication of one training step, per rank ----------------------------------------------------
+
+def _row(axis: str, collective: str, what: str, payload: int, sent: int) -> dict:
+    return {"axis": axis, "collective": collective, "what": what, "payload": payload, "sent": sent}
+
+
+def step_collectives(gms, microbatches: int) -> list[dict]:
+    """The graph collectives (TP's, ZeRO-3's gathers) of one training step over ``microbatches``, summed
+    per (group axis, collective, forward/backward): ``{"axis", "collective", "what", "payload", "sent"}``
+    with ``payload`` the full tensors' bytes and ``sent`` the bytes this rank sends (:func:`ring_bytes`).
+    ``gms``: the graphs this rank runs (its pipeline stages), each run once per microbatch."""
+    rows: dict[tuple[str, str, str], dict] = {}
+    for gm in gms:
+        for kind, node in collective_nodes(gm):
+            group = _node_arg(node, 1, "group")
+            axis, n = str(group).split(":")[0], group_size(group)
+            for what, comm in zip(("forward", "backward"), COMMS[kind]):
+                for c in (comm or "").split("+") if comm else ():
+                    payload = _full_bytes(kind, node) * microbatches
+                    row = rows.setdefault((axis, c, what), _row(axis, c, what, 0, 0))
+                    row["payload"] += payload
+                    row["sent"] += ring_bytes(c, payload, n)
+    return list(rows.values())
+
+
+def data_parallel_collectives(numel: int, element_size: int, dp: int, zero: int) -> list[dict]:
+    """The data-parallel engine's collectives of one step for ``numel`` trainable entries of
+    ``element_size`` bytes on this rank (rows as :func:`step_collectives`'s). Gradients are reduced once
+    per step: all-reduced (DDP, ZeRO-1) or reduce-scattered (ZeRO-2; NCCL's algorithm, the gloo path
+    all-reduces); ZeRO-1/2 then all-gather the updated fp32 shards. ZeRO-3's collectives are graph nodes
+    (:func:`step_collectives`), so it adds none here."""
+    if dp == 1 or zero == 3:
+        return []
+    grads = numel * element_size
+    reduce = "reduce_scatter" if zero == 2 else "all_reduce"
+    rows = [_row("dp", reduce, "gradients", grads, ring_bytes(reduce, grads, dp))]
+    if zero in (1, 2):
+        rows.append(_row("dp", "all_gather", "parameters", 4 * numel, ring_bytes("all_gather", 4 * numel, dp)))
+    return rows
+
+
+def pipeline_transfers(stages, microbatches: int) -> list[dict]:
+    """What ``stages`` (this rank's pipeline stages) send to stages on other ranks in one training step:
+    activations forward (each output once per consuming rank) and the gradients of received
+    activations backward; point-to-point, so ``sent`` equals ``payload``."""
+    mine = {s.index for s in stages}
+    acts = grads = 0
+    for s in stages:
+        for node, cons in zip(s.output_nodes(), s.consumers):
+            acts += (nbytes(node.meta.get(meta.VAL)) or 0) * sum(1 for c in cons if c not in mine)
+        phs = [n for n in s.gm.graph.nodes if n.op == "placeholder"]
+        for ph, ref, needs in zip(phs, s.inputs, s.input_needs_grad):
+            if needs and not ref.is_user:
+                grads += nbytes(ph.meta.get(meta.VAL)) or 0
+    rows = []
+    if acts:
+        rows.append(_row("pp", "send", "activations", acts * microbatches, acts * microbatches))
+    if grads:
+        rows.append(_row("pp", "send", "gradients", grads * microbatches, grads * microbatches))
+    return rows

@@ -1,5 +1,6 @@
 """Predictions for a split program: per-stage times and bytes, the schedule's step time and bubble,
-and the memory a rank holds for parameters, gradients and optimizer states.
+the memory a rank holds for parameters, gradients and optimizer states, and the activations it holds
+for backward under each recompute policy.
 
 Pure functions of the program, the plan and a device model; the compile wiring calls them, and so can
 a planner pricing plans it never builds.
@@ -7,10 +8,17 @@ a planner pricing plans it never builds.
 
 from __future__ import annotations
 
+import re
+
 from fxpar.cost.device import DeviceModel
 from fxpar.cost.partition import candidate_modules, cut_positions, stage_costs
-from fxpar.ir.schedule import simulate
+from fxpar.cost.saved import MATMUL_LIKE, SavedTensors
+from fxpar.ir import meta
+from fxpar.ir.program import Program
+from fxpar.ir.schedule import Action, simulate
 from fxpar.ir.stage import PipelineProgram
+
+RECOMPUTE = ("none", "layer", "selective")
 
 
 def annotate_stages(traced, pipeline: PipelineProgram, cuts, device: DeviceModel, actions,
@@ -37,3 +45,99 @@ def memory_per_rank(numel: int, zero: int, dp: int, states: int) -> dict[str, in
     return {"params": 4 * n // dp if zero == 3 else 4 * n + (4 * n // dp if zero in (1, 2) else 0),
             "grads": 4 * n // dp if zero >= 2 else 4 * n + (4 * n // dp if zero == 1 else 0),
             "optimizer": 4 * states * n // (dp if zero >= 1 else 1)}
+
+
+_NUMBERED = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+def _layer(program: Program, module: str) -> str | None:
+    """The decoder layer a module belongs to (``model.layers.3``), or None outside the layer container."""
+    container = program.info.layer_container
+    if container:
+        if module.startswith(container + "."):
+            return container + "." + module[len(container) + 1:].split(".")[0]
+        return None
+    m = _NUMBERED.match(module)
+    return m.group(1) if m else None
+
+
+def stage_activations(program: Program, nodes: set[str] | None = None) -> dict[str, tuple[int, int]]:
+    """Activation bytes one microbatch of the nodes named ``nodes`` (a pipeline stage; None: all) holds
+    for backward, per recompute policy: ``{policy: (kept, transient)}``, kept from the forward to the
+    backward, and transient: recomputed in backward, one decoder layer at a time.
+
+    * ``none``: every tensor autograd saves (:class:`~fxpar.cost.saved.SavedTensors`), each storage once;
+    * ``layer``: each decoder layer keeps only its inputs; its saved tensors are recomputed;
+    * ``selective``: layers also keep what matrix products and attention make (outputs, log-sum-exp);
+      the cheap ops' saved tensors are recomputed.
+
+    Ops outside decoder layers (embedding, final norm, head, loss) keep what they save under every policy.
+    """
+    saved = SavedTensors(program)
+    outside: dict[object, int] = {}
+    per_layer: dict[str, dict[object, int]] = {}
+    inputs: dict[object, int] = {}
+    matmul: dict[object, int] = {}
+    for node in program.graph.nodes:
+        if node.op != "call_function" or (nodes is not None and node.name not in nodes):
+            continue
+        layer = _layer(program, node.meta.get(meta.MODULE, ""))
+        for kept in saved.of(node):
+            (per_layer.setdefault(layer, {}) if layer else outside)[kept.key] = kept.nbytes
+            p = kept.producer
+            if layer and p is not None and getattr(p.target, "overloadpacket", None) in MATMUL_LIKE:
+                matmul[kept.key] = kept.nbytes
+        if layer:
+            for a in node.all_input_nodes:
+                made = a.op == "call_function" and _layer(program, a.meta.get(meta.MODULE, "")) == layer
+                for kept in ([] if made else saved.value(a)):
+                    inputs[kept.key] = kept.nbytes
+
+    def policy(keep: dict[object, int]) -> tuple[int, int]:
+        held = {**outside, **keep}
+        transient = max((sum(b for k, b in saves.items() if k not in held) for saves in per_layer.values()),
+                        default=0)
+        return sum(held.values()), transient
+
+    every = {k: b for saves in per_layer.values() for k, b in saves.items()}
+    return {"none": policy(every), "layer": policy(inputs),
+            "selective": policy({**inputs, **{k: b for k, b in matmul.items() if k in every}})}
+
+
+def peak_activations(per_stage: dict[int, tuple[int, int]], actions: list[Action]) -> int:
+    """The most activation bytes a rank holds while it runs ``actions`` (its schedule, in order), given
+    each of its stages' ``(kept, transient)`` per microbatch: a microbatch's activations live from its
+    forward to its backward (to its weight backward where input and weight backward are split), and a
+    backward adds the stage's transient recomputation."""
+    live, peak = 0, 0
+    split = {(a.stage, a.mb) for a in actions if a.kind == "W"}
+    for a in actions:
+        kept, transient = per_stage.get(a.stage, (0, 0))
+        if a.kind == "F":
+            live += kept
+            peak = max(peak, live)
+        elif a.kind in ("B", "I"):
+            peak = max(peak, live + transient)
+        if a.kind == "W" or (a.kind == "B" and (a.stage, a.mb) not in split):
+            live -= kept
+    return peak
+
+
+def activation_memory(program: Program, stage_nodes: dict[int, set[str]] | None = None,
+                      actions: list[Action] | None = None) -> dict[str, dict]:
+    """Predicted activation memory of one rank, per recompute policy (:data:`RECOMPUTE`):
+    ``{policy: {"per_microbatch": {stage: bytes kept}, "transient": {stage: bytes}, "peak": bytes}}``.
+
+    ``stage_nodes``: the names of the program's nodes on each stage this rank runs (None: one stage, the
+    whole program); ``actions``: this rank's schedule (None: one forward and one backward)."""
+    stage_nodes = stage_nodes if stage_nodes is not None else {0: None}
+    actions = actions if actions is not None else [Action("F", s, 0) for s in stage_nodes] + \
+        [Action("B", s, 0) for s in reversed(list(stage_nodes))]
+    per_stage = {s: stage_activations(program, names) for s, names in stage_nodes.items()}
+    out = {}
+    for policy in RECOMPUTE:
+        costs = {s: acts[policy] for s, acts in per_stage.items()}
+        out[policy] = {"per_microbatch": {s: c[0] for s, c in costs.items()},
+                       "transient": {s: c[1] for s, c in costs.items()},
+                       "peak": peak_activations(costs, actions)}
+    return out

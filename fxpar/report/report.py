@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fxpar.ir import meta
 from fxpar.ir.program import Program
+from fxpar.report import budget
 from fxpar.report.collectives import collective_rows, format_collective_rows
 from fxpar.report.graph import graph_text, module_text, partition_dot, write_dot, write_picture
 from fxpar.report.stages import format_stage_table, stage_rows
@@ -43,24 +44,23 @@ class Report:
         return format_collective_rows(self.collectives())
 
     def data_parallel(self) -> dict:
-        """Buckets, communication per step and memory per rank of a data-parallel / ZeRO plan."""
+        """Buckets and memory per rank of a data-parallel / ZeRO plan; the engine's payload bytes of the
+        last step (``measured_comm``, empty before a step; ZeRO-3's collectives are graph nodes)."""
         c = self.compiled
         if c is None or (c.plan.dp == 1 and not c.plan.zero):
             return {}
+        measured = {}
         if c.plan.zero == 3:
             buckets = [{"stage": s, "params": len(b.names), "first": b.names[0], "bytes": b.shard_numel * c.dp *
                         b.shard.element_size(), "shard_bytes": b.shard_numel * b.shard.element_size()}
                        for s, bs in sorted(c.zero3_buckets.items()) for b in bs]
-            fwd = sum(b["bytes"] for b in buckets)
-            comm = {"all_gather (forward)": fwd, "all_gather (backward)": fwd, "reduce_scatter": fwd}
         else:
             e = c.engine
             buckets = [{"params": len(b.names), "first": b.names[0],
                         "bytes": b.shard_numel * c.dp * b.params[0].element_size(),
                         "shard_bytes": b.shard_numel * 4 if b.shard is not None else 0} for b in e.buckets]
-            comm = {k: v for k, v in e.comm.items() if v}
-        return {"zero": c.plan.zero, "dp": c.dp, "buckets": buckets, "comm_bytes_per_microbatch_step": comm,
-                "memory": c.memory()}
+            measured = {k: v for k, v in e.comm.items() if v}
+        return {"zero": c.plan.zero, "dp": c.dp, "buckets": buckets, "measured_comm": measured, "memory": c.memory()}
 
     def data_parallel_table(self) -> str:
         d = self.data_parallel()
@@ -68,12 +68,27 @@ class Report:
         for i, b in enumerate(d["buckets"]):
             lines.append(f"  bucket {i}: {b['params']} params from {b['first']}, {human(b['bytes'])}B"
                          + (f", shard {human(b['shard_bytes'])}B" if b["shard_bytes"] else ""))
-        lines.append("communication per step: " + ", ".join(f"{k} {human(v)}B" for k, v in
-                                                            d["comm_bytes_per_microbatch_step"].items()))
-        mem = d["memory"]
-        for kind in ("measured", "predicted"):
-            lines.append(f"memory per rank, {kind}: " + ", ".join(f"{k} {human(v)}B" for k, v in mem[kind].items()))
+        lines.append(budget.format_memory(d["memory"]))
         return "\n".join(lines)
+
+    def communication(self) -> list[dict]:
+        """Predicted communication of one training step on this rank, every axis (empty for a trace)."""
+        return budget.communication(self.compiled) if self.compiled is not None else []
+
+    def activations(self) -> dict:
+        """Predicted activation memory per rank under each recompute policy (``fxpar.cost.predict``)."""
+        return budget.activations(self.program, self.compiled)
+
+    def activation_table(self) -> str:
+        c = self.compiled
+        if c is None:
+            users = {b.placeholder for b in self.program.inputs if b.kind == "user"}
+            v = next((n.meta.get(meta.VAL) for n in self.program.graph.nodes if n.name in users
+                      and getattr(n.meta.get(meta.VAL), "dim", lambda: 0)() == 2), None)
+            shape = f" of {' x '.join(map(str, v.shape))}" if v is not None else ""
+            return budget.format_activations(self.activations(), None, f" (one forward and backward{shape})")
+        return budget.format_activations(self.activations(), c.plan.recompute,
+                                         f" (pp rank {c.pp_rank}, {c.schedule_name}, {c.m} microbatches)")
 
     def write_partition_picture(self, path) -> list:
         """A picture of the partitioned program: stages, their layers and collectives, the boundaries."""
@@ -101,6 +116,9 @@ class Report:
         n_nodes = sum(1 for n in p.nodes() if n.op == "call_function")
         lines = [f"{p.info.model_class or 'model'} traced with frontend={p.frontend}: {n_nodes} ops, "
                  f"{human(t.params)} params, forward {human(t.flops)}FLOPs, backward {human(t.bwd_flops)}FLOPs"]
+        c = self.compiled
+        if c is not None:  # the rank's program: one microbatch, this TP rank's shards
+            lines[0] += f" per microbatch{f' on one TP rank of {c.plan.tp}' if c.plan.tp > 1 else ''}"
         for group in p.tied_groups():
             lines.append(f"tied: {' = '.join(group)}")
         return "\n".join(lines)
@@ -108,14 +126,20 @@ class Report:
     def to_text(self) -> str:
         text = self.header() + "\n\n" + self.table()
         if self.compiled is not None:
-            plan = self.compiled.plan
-            text += (f"\n\npipeline: pp={plan.pp}, {len(self.compiled.pipeline.stages)} stages, schedule "
-                     f"{self.compiled.schedule_name}, {self.compiled.m} microbatches\n\n" + self.stage_table())
+            c = self.compiled
+            plan = c.plan
+            text += (f"\n\npipeline: pp={plan.pp}, {len(c.pipeline.stages)} stages, schedule "
+                     f"{c.schedule_name}, {c.m} microbatches\n\n" + self.stage_table())
+            text += "\n\n" + budget.format_flops(c)
             if plan.tp > 1:
                 text += f"\n\ntensor parallel: tp={plan.tp}, collectives of this rank\n\n" + self.collective_table()
             if plan.dp > 1 or plan.zero:
                 text += "\n\n" + self.data_parallel_table()
-        return text
+            elif c.memory():
+                text += "\n\n" + budget.format_memory(c.memory())
+            text += "\n\n" + budget.format_communication(self.communication(), c.m,
+                                                          self.data_parallel().get("measured_comm"))
+        return text + "\n\n" + self.activation_table()
 
     def __str__(self) -> str:
         return self.to_text()
@@ -139,9 +163,11 @@ class Report:
                    "pp_plan": {k: [list(a), list(b)] for k, (a, b) in (info.pp_plan or {}).items()},
                    "layer_container": info.layer_container, "num_layers": info.num_layers},
             "pictures": [str(x) for x in self.pictures],
+            "activations": self.activations(),
             **({"plan": self.compiled.plan.to_dict(), "cuts": [list(c) for c in self.compiled.cuts],
                 "stages": self.stages, "predicted": getattr(self.compiled, "predicted", None),
-                "collectives": self.collectives(), "data_parallel": self.data_parallel()}
+                "collectives": self.collectives(), "data_parallel": self.data_parallel(),
+                "flops": budget.stage_flops(self.compiled), "communication": self.communication()}
                if self.compiled is not None else {}),
         }
 

@@ -2,7 +2,7 @@
 
 Reads: ``fxpar.module``, ``fxpar.param``, ``val``; the plan's styles (module FQN globs -> style).
 Writes: ``fxpar.placement`` (``(Shard(d),)``, ``(Replicate(),)``, ``(Partial(),)``) on every node,
-``torch.ops.fxpar.*`` collective nodes, local sizes in view-like ops, and a per-rank :class:`Program`
+``fxpar.cost`` priced again on local shapes (a sharded op costs its shard), ``torch.ops.fxpar.*`` collective nodes, local sizes in view-like ops, and a per-rank :class:`Program`
 bound to this rank's shards (fresh Parameters holding slices of the model's tensors).
 
 Rules (Megatron): a column-parallel linear shards its weight and bias by output features, takes a
@@ -33,6 +33,7 @@ import torch
 import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from fxpar.cost.flops import annotate_costs
 from fxpar.ir import meta
 from fxpar.ir.placement import ShardLayout, TpResult
 from fxpar.ir.program import ParamInfo, Program
@@ -85,6 +86,7 @@ def tensor_parallel(program: Program, tp: int, rank: int, styles: dict[str, str]
                     out_spec=program.out_spec, params=params, tensors=tensors, constants=program.constants,
                     info=program.info, frontend=program.frontend, root=program.root)
     _refresh_vals(local)
+    annotate_costs(local)  # the rewritten nodes are new: price them on this rank's shapes
     for node in gm.graph.nodes:
         node.meta[meta.PLACEMENT] = (rw.place.get(node, REPLICATE),)
     return local, result

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -83,8 +84,25 @@ def test_plan_command_shows_stages_collectives_and_memory():
     r = _run([sys.executable, "-m", "fxpar", "plan", "llama", "--plan", "dp=2,pp=2,tp=2,zero=1"])
     assert r.returncode == 0, r.stderr[-2000:]
     for text in ("DeviceMesh((dp_shard=2, pp=2, tp=2)", "pipeline: pp=2, 2 stages", "tensor parallel: tp=2",
-                 "data parallel: dp=2, ZeRO-1", "memory per rank, predicted"):
+                 "data parallel: dp=2, ZeRO-1", "memory per rank, predicted", "communication per step, predicted",
+                 "activation memory per rank, predicted"):
         assert text in r.stdout, (text, r.stdout[-3000:])
+    assert "measured" not in r.stdout  # nothing has run
+    header = r.stdout.splitlines()[1]
+    assert re.search(r"forward \d[\d.]*MFLOPs, backward \d[\d.]*MFLOPs per microbatch on one TP rank of 2", header)
+    for layer in ("0", "1"):  # every layer costs something, forward and backward
+        row = re.search(rf"^ +{layer} +\S+ +(\S+) +(\S+) ", r.stdout, re.M)
+        assert row and "0" not in (row.group(1), row.group(2)), (layer, r.stdout[:2000])
+    # DP (ZeRO-1: gradients all-reduced, fp32 shards gathered), TP and PP lines, bytes this rank sends
+    for axis, collective, what in (("dp", "all_reduce", "gradients"), ("dp", "all_gather", "parameters"),
+                                   ("tp", "all_reduce", "forward"), ("tp", "all_reduce", "backward"),
+                                   ("pp", "send", "activations")):
+        assert re.search(rf"^ *{axis} +{collective} +{what} +[1-9][\d.]*K?B +[1-9][\d.]*K?B$", r.stdout, re.M), \
+            (axis, collective, what)
+    grads = re.search(r"dp +all_reduce +gradients +(\S+) +(\S+)", r.stdout)
+    gather = re.search(r"dp +all_gather +parameters +(\S+) +(\S+)", r.stdout)
+    assert grads.group(1) == gather.group(1) == grads.group(2)  # ring all-reduce over 2 ranks: the payload
+    assert re.search(r"^none \(plan\) +\S+", r.stdout, re.M)
 
 
 @pytest.mark.slow

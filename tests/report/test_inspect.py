@@ -114,3 +114,57 @@ def test_inspect_unknown_module_lists_what_exists():
         assert "mlp.fc3" in str(e) and "mlp" in str(e)
     else:
         raise AssertionError("no error for an unknown module")
+
+
+def test_traced_program_shows_predicted_activations():
+    text = fxpar.inspect(_tiny_program(), quiet=True).to_text()
+    assert "activation memory per rank, predicted" in text
+    for policy in ("none", "layer", "selective"):
+        assert re.search(rf"^{policy}\s+\S+B", text, re.M), policy
+
+
+def test_priced_plan_flops_communication_and_memory_are_predictions():
+    """dp=2 x pp=2 x tp=2, ZeRO-1 on one process: each TP rank's stage FLOPs add up to the unsharded
+    model's over tp (replicated norms and rotary are counted on every rank: within 3%), every layer
+    costs something, the step's communication equals the formulas, and nothing is 'measured'."""
+    from fxpar import zoo
+    from fxpar.api import price
+    from fxpar.cost import comm
+    from fxpar.report.budget import graph_flops, stage_flops
+
+    model = zoo.build("llama")
+    kwargs = zoo.example_inputs("llama", model, batch=8, seq=32)
+    c = price(model, "dp=2,pp=2,tp=2,zero=1", example_kwargs=kwargs,
+              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    report = fxpar.inspect(c, quiet=True)
+    fwd, bwd = graph_flops(c.result.traced.gm)
+    stages = stage_flops(c)
+    assert abs(2 * sum(s["flops"] for s in stages) / fwd - 1) <= 0.03
+    assert abs(2 * sum(s["bwd_flops"] for s in stages) / bwd - 1) <= 0.03
+    for layer in ("model.layers.0", "model.layers.1", "lm_head"):
+        assert report.rows[layer].flops > 0 and report.rows[layer].bwd_flops > 0, layer
+    rows = {(r["axis"], r["collective"], r["what"]): r for r in report.communication()}
+    mine = c.pipeline.stages_of(c.pp_rank)
+    numel = sum(c.program.tensor(f).numel() for s in mine for f in s.params if c.program.tensor(f).requires_grad)
+    assert rows["dp", "all_reduce", "gradients"]["payload"] == 4 * numel
+    assert rows["dp", "all_reduce", "gradients"]["sent"] == comm.ring_bytes("all_reduce", 4 * numel, 2)
+    assert rows["dp", "all_gather", "parameters"]["sent"] == comm.ring_bytes("all_gather", 4 * numel, 2)
+    tp_fwd = sum(comm.collective_bytes(s.gm)["all_reduce"] for s in mine) * c.m
+    assert tp_fwd > 0 and rows["tp", "all_reduce", "forward"]["payload"] == tp_fwd
+    assert rows["pp", "send", "activations"]["payload"] == c.m * mine[0].send_bytes
+    assert "measured" not in c.memory()
+    text = report.to_text()
+    assert "memory per rank, predicted" in text and "measured" not in text
+    assert "communication per step, predicted" in text and "none (plan)" in text
+    acts = report.activations()
+    assert acts["none"]["peak"] > acts["selective"]["peak"] > acts["layer"]["peak"] > 0
+
+
+def test_tp_program_header_counts_backward():
+    from fxpar import zoo
+    from fxpar.api import price
+
+    model = zoo.build("llama")
+    c = price(model, "tp=2", example_kwargs=zoo.example_inputs("llama", model, batch=2, seq=16))
+    header = fxpar.inspect(c, quiet=True).header()
+    assert re.search(r"backward [1-9][\d.]*[KM]FLOPs per microbatch on one TP rank of 2", header), header
