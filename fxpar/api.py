@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from fxpar import passes
+from fxpar import launch, passes
 from fxpar.cost.device import H100, DeviceModel
 from fxpar.cost.flops import annotate_costs
 from fxpar.cost.partition import balanced_cuts, resolve_split_points
@@ -30,6 +30,7 @@ from fxpar.ir.program import Program
 from fxpar.ir.schedule import build_schedule
 from fxpar.ir.stage import CompileResult
 from fxpar.planner import feasibility
+from fxpar.runtime import liveness
 from fxpar.runtime.groups import mesh_groups
 from fxpar.runtime.model import CompiledModel
 from fxpar.weights import WeightSource
@@ -126,7 +127,8 @@ class _Builder:
         if self.weights is not None:
             self.weights.done()
         feasibility.check_zero3_ties(plan, feasibility.tied_across_ranks(pipeline, setup.stage_to_rank))
-        predicted = annotate_stages(program, pipeline, self.cuts, self.device_model, self.actions,
+        # priced on this rank's program: after TP its nodes cost their shards (the TP pass prices them)
+        predicted = annotate_stages(local, pipeline, self.cuts, self.device_model, self.actions,
                                     list(setup.stage_to_rank))
         return CompileResult(program, local, pipeline, ctx.out.tp, ctx.out.zero3_buckets, predicted, ctx.out.timings)
 
@@ -149,13 +151,23 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     trace for several plans without tracing again. ``weights``: for a model built on the meta device,
     where each rank's shards come from: a state dict with the model's FQNs, safetensors path(s), or
     ``"init"`` (the model's initialiser); see :mod:`fxpar.weights`.
+
+    Under torchrun without a process group, ``compile`` joins it (:func:`fxpar.launch.init_distributed`);
+    ``device=None`` is where the model's weights are, or for a meta-device model the device
+    :func:`fxpar.launch.device_for_rank` picks (``cuda:<LOCAL_RANK>``, or the CPU). A peer that dies makes every other rank raise :class:`fxpar.runtime.liveness.PeerFailure`
+    naming it, within the timeout.
     """
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
+    if launch.launched_by_torchrun() and not dist.is_initialized():
+        launch.init_distributed(timeout)  # torchrun started us, the script did not join: join here
+    liveness.start()  # a no-op on one rank, or when init_distributed started it
     world, rank = _world()
     feasibility.check_world(plan, world)
-    return _compile(model, plan, MeshSpec.for_plan(plan, rank), example_args, example_kwargs, optimizer=optimizer,
-                    device=device, device_model=device_model, frontend=frontend, timeout=timeout, program=program,
-                    weights=weights, dry=False)
+    device = device if device is not None else launch.device_for_model(model)
+    with liveness.guard("compile"):
+        return _compile(model, plan, MeshSpec.for_plan(plan, rank), example_args, example_kwargs,
+                        optimizer=optimizer, device=device, device_model=device_model, frontend=frontend,
+                        timeout=timeout, program=program, weights=weights, dry=False)
 
 
 def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,

@@ -5,7 +5,10 @@ else the CPU. CUDA itself applies ``CUDA_VISIBLE_DEVICES`` (which devices exist 
 the order given) and ``CUDA_DEVICE_ORDER`` (``PCI_BUS_ID`` numbers devices as ``nvidia-smi`` does;
 the default ``FASTEST_FIRST`` may not): fxpar never renumbers devices, so both are honoured as set.
 The backend follows the device: NCCL on CUDA, gloo on the CPU. Every collective gets the timeout
-(``FXPAR_TIMEOUT`` seconds, default 300), so a dead rank makes the others fail instead of hang.
+(``FXPAR_TIMEOUT`` seconds, default 300), so a dead rank makes the others fail instead of hang, and
+each rank beats a heartbeat in the rendezvous store so that the failure names the rank that died.
+``fxpar.compile`` calls :func:`init_distributed` itself when torchrun launched the process and no
+process group exists yet.
 
 NCCL troubleshooting (see docs/launch.md): ``NCCL_DEBUG=INFO`` shows the transport NCCL picked;
 ``NCCL_P2P_DISABLE=1`` when GPUs cannot reach each other directly (some PCIe topologies and VMs hang
@@ -31,19 +34,55 @@ def device_for_rank(local_rank: int | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def device_for_model(model: torch.nn.Module) -> torch.device:
+    """Where ``fxpar.compile(device=None)`` runs ``model``: where its weights already are, or, for a model
+    on the meta device (its shards are made on this rank), :func:`device_for_rank`."""
+    real = {p.device for p in model.parameters() if not p.is_meta}
+    return real.pop() if len(real) == 1 else device_for_rank()
+
+
 def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    """NCCL for CUDA tensors (with gloo for CPU tensors beside it), gloo on the CPU."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def launched_by_torchrun() -> bool:
+    """True when the environment describes a world of several ranks (torchrun, or a launcher that sets
+    what torchrun sets: ``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+def _attempt_store(seconds: float) -> dict:
+    """Under torchrun's agent store: the store, rank and world for ``init_process_group``, with the keys of
+    this attempt under their own prefix. torchrun (2.13) keeps one store for every restart of the group and
+    the default group's keys carry no attempt number, so after ``--max-restarts`` restarted the workers, a
+    rank that reads a peer's address before the peer wrote it again gets the dead process's address from
+    the attempt before and hangs in gloo's or NCCL's connect. Elsewhere: {} (the ``env://`` default)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=seconds))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"fxpar/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def init_distributed(timeout: float | None = None) -> tuple[int, int, torch.device]:
-    """Join the process group torchrun describes (a no-op for a single process without torchrun).
-    Returns ``(rank, world size, device)``."""
+    """Join the process group torchrun describes (a no-op for a single process without torchrun, and
+    where a group exists already), and start this rank's heartbeat (:mod:`fxpar.runtime.liveness`), so
+    that a peer that dies is named. Returns ``(rank, world size, device)``."""
+    from fxpar.runtime import liveness
+
     device = device_for_rank()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if "WORLD_SIZE" not in os.environ or dist.is_initialized():
-        return (dist.get_rank(), dist.get_world_size(), device) if dist.is_initialized() else (0, 1, device)
+        if not dist.is_initialized():
+            return 0, 1, device
+        liveness.start()
+        return dist.get_rank(), dist.get_world_size(), device
     seconds = float(timeout if timeout is not None else os.environ.get("FXPAR_TIMEOUT", 300))
     dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=seconds),
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type == "cuda" else None, **_attempt_store(seconds))
+    liveness.start()
     return dist.get_rank(), dist.get_world_size(), device

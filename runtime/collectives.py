@@ -7,8 +7,9 @@ them, for every device: the dispatcher's ``CompositeExplicitAutograd`` key, as `
 * Kernels call the plain torch.distributed collectives (gloo on CPU, NCCL on GPU) and wait with the
   process group's own timeout (``timeout=`` of ``init_process_group`` / ``new_group``): nothing waits
   for ever. A failure or timeout becomes a :class:`~fxpar.ir.errors.CollectiveError` naming the op,
-  group and shapes; so do local shape errors. Without torch.distributed, or on a one-rank group,
-  every op is a copy.
+  group, its ranks and shapes; so do local shape errors. Which of the ranks died is for
+  :mod:`fxpar.runtime.liveness` to say (``CompiledModel.step`` runs under its guard). Without
+  torch.distributed, or on a one-rank group, every op is a copy.
 * :func:`set_shape_checks` (or ``FXPAR_CHECK_COLLECTIVES=1``) also compares shapes across ranks before
   each collective, for debugging.
 * ZeRO-3's regathering (:class:`fxpar.runtime.zero3.Zero3Regather`) needs to hear of every parameter
@@ -85,9 +86,19 @@ def _communicate(op: str, group: str, x: torch.Tensor, launch: Callable[[], obje
     except RuntimeError as e:  # DistBackendError and gloo's timeouts are RuntimeErrors
         raise CollectiveError(
             f"the collective failed or timed out (input shape {tuple(x.shape)}, dtype {x.dtype}, "
-            f"rank {dist.get_rank()} of the world; the wait is bounded by the process group's timeout): {e}",
+            f"rank {dist.get_rank()} of the world; one of the group's ranks {_group_ranks(group)} failed to "
+            f"arrive; the wait is bounded by the process group's timeout): {e}",
             op=op, group=group, sizes=[tuple(x.shape)],
         ) from e
+
+
+def _group_ranks(group: str) -> list[int]:
+    """The global ranks of group ``group`` (for messages; empty if they cannot be known here)."""
+    try:
+        pg = resolve_group(group)
+        return sorted(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
+    except Exception:
+        return []
 
 
 def _cross_check(op: str, group: str, pg, x: torch.Tensor) -> None:

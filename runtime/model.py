@@ -5,7 +5,8 @@ the data-parallel engine (DDP / ZeRO-1/2) or ZeRO-3's regathering (``fxpar.runti
 gradients (``fxpar.runtime.tied``) and the full-state gathering (``fxpar.runtime.state``). What to run
 comes from ``build``, a callback of ``fxpar.compile`` that traces one input signature and runs the pass
 list on it: one :class:`~fxpar.ir.stage.CompileResult` per signature, cached on the pytree structure
-*and* every tensor's shape and dtype, so a graph traced for one shape never runs on another.
+*and* every tensor's shape and dtype (``fxpar.runtime.programs``), so a graph traced for one shape never
+runs on another; each microbatch is checked against its program's traced shapes as well.
 
 Every rank calls ``step``/``__call__`` with the same full (global) batch: each data-parallel replica
 takes its slice, and only the stages a rank runs read it (the first stage its input ids, the last its
@@ -14,15 +15,13 @@ labels), so no input travels.
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from fxpar.ir.batch import batch_size, check_shapes, loss_weights, signature, split_batch
+from fxpar.ir.batch import batch_size, check_shapes, loss_weights, split_batch
 from fxpar.ir.errors import PlanError
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.optim import state_count
@@ -30,12 +29,12 @@ from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.stage import CompileResult, PipelineProgram
 from fxpar.runtime.data_parallel import DataParallelEngine, held_bytes
+from fxpar.runtime.liveness import guarded
 from fxpar.runtime.pipeline import PipelineRuntime
+from fxpar.runtime.programs import ProgramCache
 from fxpar.runtime.state import full_state_dict
 from fxpar.runtime.tied import make_tied_groups, sum_tied_grads
 from fxpar.runtime.zero3 import Zero3Regather, sync_zero3
-
-log = logging.getLogger("fxpar")
 
 
 class CompiledModel:
@@ -54,11 +53,9 @@ class CompiledModel:
         self.schedule_name, self.schedule, self.m = setup.schedule, actions, setup.microbatches
         self.stage_to_rank = list(setup.stage_to_rank)
         self._build, self._predict_memory = build, predict_memory
-        # input signature -> (program, its runtime, its batch set-up); see _compile
-        self._signatures: dict[tuple, tuple[CompileResult, PipelineRuntime, object]] = {}
-        self._train_key, self._compiled = None, 0
-        self.max_programs = int(os.environ.get("FXPAR_MAX_PROGRAMS", 8))
-        self._train = self._compile(example_args, example_kwargs, program)[0]
+        self.steps = 0  # training steps run
+        self.programs = ProgramCache(build, build.setup_for, self._runtime)  # one per input shapes
+        self._train = self.programs.get(example_args, example_kwargs, program)[0]
         self._tied_groups = make_tied_groups(self._train.pipeline, mesh, self.stage_to_rank, create=not dry)
         named = self._my_named_parameters(self._train.pipeline)
         self.engine = None
@@ -73,35 +70,10 @@ class CompiledModel:
             self.optimizer = optimizer(mine) if optimizer is not None and mine else None
 
     # ---- building ----------------------------------------------------------------------------------
-    def _compile(self, args, kwargs, program: Program | None = None) -> tuple[CompileResult, PipelineRuntime, object]:
-        """The program for these inputs: one per pytree structure, shapes and dtypes, compiled on first
-        use (one log line each) and kept in a bounded least-recently-used cache; the training signature
-        (the first) is never evicted: the optimizer, the DP engine and checkpoints read its stages."""
-        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        key = signature(flat, spec)
-        hit = self._signatures.pop(key, None)
-        if hit is None:
-            setup = self._build.setup_for(batch_size(flat))  # PlanError before any communication
-            shapes = ", ".join(str(tuple(v.shape)) for v in flat if isinstance(v, torch.Tensor))
-            log.info("fxpar: compiling program %d for input shapes %s (batch %d = dp %d x %d microbatches of %d)",
-                     self._compiled + 1, shapes, setup.batch, setup.dp, setup.microbatches,
-                     setup.microbatch_size)
-            result = self._build(flat, spec, setup, program)
-            runtime = PipelineRuntime(result.pipeline, self.schedule, self.pp_rank, self.spec.pipeline_ranks(),
-                                      None, self.device, self.timeout,
-                                      forward_context=Zero3Regather if self.plan.zero == 3 else None,
-                                      autocast_dtype=torch.bfloat16 if self.plan.mixed_precision == "bf16" else None)
-            hit = (result, runtime, setup)
-            self._compiled += 1
-            if self._train_key is None:
-                self._train_key = key
-        self._signatures[key] = hit  # most recently used last
-        while len(self._signatures) > max(self.max_programs, 1):
-            oldest = next(k for k in self._signatures if k != self._train_key)
-            del self._signatures[oldest]
-            log.info("fxpar: %d programs cached (max_programs=%d): the least recently used one dropped",
-                     self.max_programs + 1, self.max_programs)
-        return hit
+    def _runtime(self, result: CompileResult) -> PipelineRuntime:
+        return PipelineRuntime(result.pipeline, self.schedule, self.pp_rank, self.spec.pipeline_ranks(), None,
+                               self.device, self.timeout, forward_context=Zero3Regather if self.plan.zero == 3 else None,
+                               autocast_dtype=torch.bfloat16 if self.plan.mixed_precision == "bf16" else None)
 
     def _my_named_parameters(self, pipeline: PipelineProgram) -> list[tuple[str, torch.nn.Parameter]]:
         """(name in its stage, parameter) for the stages this rank runs, each parameter once."""
@@ -132,9 +104,10 @@ class CompiledModel:
     def _mine(self, mbs: list) -> list:
         return mbs[self.dp_rank * self.m:(self.dp_rank + 1) * self.m]
 
+    @guarded("a training step")  # every entry point that waits on peers names a peer that died
     def step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward over the microbatches, gradient sync, optimizer step; the batch's loss."""
-        result, runtime, setup = self._compile(args, kwargs)
+        result, runtime, setup = self.programs.get(args, kwargs)
         if result.pipeline.loss_output is None:
             raise PlanError("the model returned no loss for these inputs: pass labels (or whatever makes "
                             f"{type(self.model).__name__} compute its loss)")
@@ -158,12 +131,14 @@ class CompiledModel:
             self.engine.step()
         elif self.optimizer is not None:
             self.optimizer.step()
+        self.steps += 1
         return loss
 
+    @guarded("an inference forward")
     @torch.no_grad()
     def __call__(self, *args, **kwargs):
         """Inference: forward over the microbatches; the model's outputs, gathered on every rank."""
-        result, runtime, setup = self._compile(args, kwargs)
+        result, runtime, setup = self.programs.get(args, kwargs)
         every = self._microbatches(result, setup, args, kwargs)
         out = runtime.run(self._mine(every), train=False)  # outputs are exchanged below
         pipeline = result.pipeline
@@ -190,6 +165,7 @@ class CompiledModel:
         return pytree.tree_unflatten(outs, result.program.out_spec)
 
     # ---- reading -----------------------------------------------------------------------------------
+    @guarded("gathering the full state")
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors keyed by the original FQNs (tied parameters under each name), on every rank.
         ``grads=True``: the parameters' gradients from the last ``step`` instead (zeros where none)."""
@@ -198,18 +174,18 @@ class CompiledModel:
         return full_state_dict(self._train, self.model, self.spec, self.device, grads)
 
     def memory(self) -> dict[str, dict[str, int]]:
-        """Bytes this rank holds now for parameters, gradients and optimizer states: ``measured`` from
-        the tensors, ``predicted`` by the cost model from parameter counts (fp32 master weights)."""
-        if self.engine is not None:
-            measured = self.engine.memory()
-        else:
-            measured = held_bytes([p for _, p in self._my_named_parameters(self._train.pipeline)], self.optimizer)
-        program = self._train.program
-        n = 0
+        """Bytes this rank holds for parameters, gradients and optimizer states: ``predicted`` from parameter
+        counts (fp32 master weights); ``measured`` from the tensors once a step has run, never for a model
+        built only to price its plan."""
+        program, n = self._train.program, 0
         for s in self._train.pipeline.stages_of(self.pp_rank):  # trainable tensors of each stage, whole
             n += sum(t.numel() for t in {id(t): t for t in map(program.tensor, s.params) if t.requires_grad}.values())
-        predicted = self._predict_memory(n, state_count(self.optimizer)) if self._predict_memory else {}
-        return {"measured": measured, "predicted": predicted}
+        out = {"predicted": self._predict_memory(n, state_count(self.optimizer)) if self._predict_memory else {}}
+        measured = None if self.dry else self.engine.memory() if self.engine is not None else held_bytes(
+            [p for _, p in self._my_named_parameters(self._train.pipeline)], self.optimizer)
+        if measured is not None and self.steps:
+            out["measured"] = measured
+        return out
 
     @property
     def cuts(self) -> list[tuple[str, str]]:
@@ -241,3 +217,4 @@ class CompiledModel:
     @property
     def zero3_buckets(self) -> dict[int, list]:
         return self._train.zero3_buckets
+

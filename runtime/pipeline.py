@@ -99,8 +99,8 @@ class Transport:
             work.wait(self.timeout)
         except Exception as exc:
             raise PipelineError(
-                f"pipeline rank {self.me} (global {self.ranks[self.me]}) timed out or failed after "
-                f"{self.timeout.total_seconds():.0f} s waiting for {msg.kind} of stage {msg.stage} output "
+                f"pipeline rank {self.me} (global {self.ranks[self.me]}) failed (or timed out: limit "
+                f"{self.timeout.total_seconds():.0f} s) waiting for {msg.kind} of stage {msg.stage} output "
                 f"{msg.index}, microbatch {msg.mb}, from pipeline rank {src} (global {self.ranks[src]}): "
                 f"that rank died or is stuck ({type(exc).__name__}: {exc})") from exc
         return buf

@@ -6,6 +6,12 @@ weights from ``--resume`` or the initialiser), compiles it for the plan, and tra
 Rank 0 logs a progress bar, the loss, tokens/s and the memory per rank (params + grads + optimizer
 states); ``--save DIR --save-every K`` writes checkpoints (fxpar.checkpoint), ``--resume DIR``
 continues from the last complete one, ``--export DIR`` writes a Hugging Face model at the end.
+
+Resuming reproduces the uninterrupted run: the weights and (same plan) the optimizer state come from
+the checkpoint, the data stream skips the steps already taken (synthetic batches are seeded by step)
+and every step seeds the RNG from ``(--seed, step)``. So ``torchrun --max-restarts 1 -m fxpar train ...
+--save DIR --save-every K --resume DIR`` survives a lost rank: torchrun starts the group again, and
+the new run continues from the last checkpoint with the same per-step losses.
 """
 
 from __future__ import annotations
@@ -39,6 +45,12 @@ def batches(data: str, vocab: int, batch: int, seq: int, seed: int):
         pos += need
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The RNG seed of ``step``: a function of the step alone, so a run resumed from a checkpoint makes the
+    same random draws (dropout) as one that never stopped, with no RNG state in the checkpoint."""
+    return (seed * 1_000_003 + step + 1) % 2**63
+
+
 def _bar(done: int, total: int, width: int = 20) -> str:
     filled = width * done // max(total, 1)
     return "[" + "#" * filled + "." * (width - filled) + "]"
@@ -48,6 +60,7 @@ def run(args) -> int:
     import fxpar
     from fxpar import checkpoint
     from fxpar.launch import init_distributed
+    from fxpar.runtime.liveness import guard
 
     rank, world, device = init_distributed()
     plan = fxpar.Plan.from_file(args.plan_file) if args.plan_file else fxpar.Plan.parse(args.plan)
@@ -89,6 +102,7 @@ def run(args) -> int:
         if step > start:
             ids = next(data)
             batch = {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
+        torch.manual_seed(step_seed(args.seed, step))  # dropout draws the same masks in a resumed run
         t0 = time.perf_counter()
         loss = compiled.step(**batch).item()
         dt = time.perf_counter() - t0
@@ -98,7 +112,8 @@ def run(args) -> int:
             say(f"{_bar(step + 1, args.steps)} step {step + 1}/{args.steps}  loss {loss:.4f}  "
                 f"{ids.numel() / dt:,.0f} tok/s  mem/rank {mem:.1f} MiB", flush=True)
         if args.save and args.save_every and (step + 1) % args.save_every == 0:
-            path = checkpoint.save(compiled, args.save, step + 1)
+            with guard("saving a checkpoint"):  # a peer lost during the save is named
+                path = checkpoint.save(compiled, args.save, step + 1)
             say(f"saved {path}")
     if args.export:
         checkpoint.export_hf(compiled, args.export)

@@ -7,6 +7,7 @@ Each raises :class:`~fxpar.ir.errors.PlanError` naming the numbers and the fix.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -36,10 +37,21 @@ class PipelineSetup:
 
 
 def check_world(plan: Plan, world: int) -> None:
-    if plan.world_size != world:
-        raise PlanError(f"plan dp={plan.dp} x pp={plan.pp} x tp={plan.tp} needs {plan.world_size} ranks, but the "
-                        f"world has {world}; launch with torchrun --nproc_per_node {plan.world_size} or "
-                        "change the degrees")
+    """The plan's degrees must multiply to the world size; the message says how this process was started."""
+    if plan.world_size == world:
+        return
+    need = plan.world_size
+    launched = os.environ.get("WORLD_SIZE")
+    if world == 1 and not launched:
+        how = (f"this process was not started by torchrun (no WORLD_SIZE) and no process group exists; run it "
+               f"with torchrun --nproc_per_node {need} (fxpar.compile joins the group itself)")
+    elif launched and int(launched) != world:
+        how = (f"torchrun started {launched} ranks but the process group has {world}; create no group of your "
+               f"own, or one over the whole world")
+    else:
+        how = f"launch with torchrun --nproc_per_node {need} or change the degrees"
+    raise PlanError(f"plan dp={plan.dp} x pp={plan.pp} x tp={plan.tp} needs {need} ranks, but the world has "
+                    f"{world}: {how}", values={"ranks needed": need, "world": world})
 
 
 def check_optimizer_factory(plan: Plan, optimizer) -> None:

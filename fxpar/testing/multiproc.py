@@ -19,7 +19,9 @@ Design, in short:
   :class:`RankFailure` (:class:`RankTimeout`) naming the ranks, with tracebacks, exit
   codes and the tail of their output. The other ranks get ``failure_grace`` seconds
   to answer, then have their Python stacks dumped (faulthandler, ``SIGUSR1``) and are
-  killed; the next ``run`` starts a fresh pool. Nothing waits without a deadline,
+  killed; the next ``run`` starts a fresh pool. ``close()`` instead closes the workers'
+  pipes and lets them exit normally (their finalizers release what they hold), killing
+  only those still there after ``close_grace`` seconds. Nothing waits without a deadline,
   and the workers die with the owner (daemonic, and ``PR_SET_PDEATHSIG``), so a
   killed test run leaves no ranks behind.
 * Each rank's stdout/stderr go to a log file; after each run the new output is
@@ -48,6 +50,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -181,7 +184,8 @@ class RankPool:
         self._store = None  # the rendezvous TCPStore, kept for the life of the workers
         self._closed = False
         self._logdir = tempfile.TemporaryDirectory(prefix=f"fxpar-rankpool{world_size}-")
-        weakref.finalize(self, RankPool._kill, self._workers)
+        self.close_grace = 10.0  # seconds idle workers get to exit on close() before they are killed
+        weakref.finalize(self, _stop_workers, self._workers, self.close_grace)
 
     @property
     def restarts(self) -> int:
@@ -207,13 +211,13 @@ class RankPool:
         return self
 
     def restart(self) -> None:
-        self._teardown()
+        self._teardown(self.close_grace)
         self.start()
 
     def close(self) -> None:
-        """Kill the workers and remove their logs."""
+        """Let the workers exit (killing those that do not within ``close_grace``) and remove their logs."""
         self._closed = True
-        self._teardown()
+        self._teardown(self.close_grace)
         self._logdir.cleanup()
 
     def run(self, fn: Callable | str, *args, timeout: float | None = None, **kwargs) -> list:
@@ -236,14 +240,8 @@ class RankPool:
         self._echo({w.rank: w.new_output() for w in self._workers})
         return [replies.ok[r] for r in range(self.world_size)]
 
-    @staticmethod
-    def _kill(workers: list[_rankworker.RankProcess]) -> None:
-        for w in workers:
-            w.kill()
-        workers.clear()
-
-    def _teardown(self) -> None:
-        RankPool._kill(self._workers)
+    def _teardown(self, grace: float = 0.0) -> None:
+        _stop_workers(self._workers, grace)
         self._store = None
 
     def _start(self) -> None:
@@ -315,6 +313,27 @@ class RankPool:
             for r in sorted(outputs):
                 sys.stdout.write("".join(f"[rank {r}] {line}\n" for line in outputs[r].splitlines()))
             sys.stdout.flush()
+
+
+def _stop_workers(workers: list[_rankworker.RankProcess], grace: float = 0.0) -> None:
+    """Stop the workers. With ``grace`` (an orderly close), first close their pipes: an idle worker
+    then returns from its loop and exits normally, which runs its multiprocessing finalizers, and
+    those unlink the named semaphores it created (tqdm makes one in every process that runs torch's
+    FakeTensorProp); a worker killed instead leaves them to the resource tracker, which warns about
+    "leaked semaphore objects" when this process ends. Whatever has not exited after ``grace``
+    seconds (a rank stuck after a failure) is killed."""
+    if grace > 0:
+        for w in workers:
+            w.conn.close()
+        deadline = time.monotonic() + grace
+        for w in workers:
+            w.proc.join(max(0.0, deadline - time.monotonic()))
+    for w in workers:
+        if w.proc.exitcode is None:
+            w.proc.kill()
+            w.proc.join(10)
+        w.conn.close()
+    workers.clear()
 
 
 def run_on_ranks(world_size: int, fn: Callable | str, *args, timeout: float = 120.0, **kwargs) -> list:

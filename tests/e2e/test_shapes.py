@@ -49,7 +49,7 @@ def changing_shapes(name: str, plan: str, batch_sizes: tuple[int, ...]) -> dict:
         state = compiled.full_state_dict()
         out["weights"] = max(out["weights"], max((state[k] - v).abs().max().item()
                                                  for k, v in reference.state_dict().items()))
-    out["programs"] = compiled._compiled
+    out["programs"] = compiled.programs.compiled
     return out
 
 
@@ -82,20 +82,20 @@ def test_a_program_refuses_shapes_it_was_not_traced_for():
         check_shapes(result.traced, split_batch(flat, 4, 1)[0])
     check_shapes(result.traced, split_batch(result.program.flatten_inputs((), short), 4, 1)[0])  # its own: fine
     compiled.step(**long)  # the model itself compiles a second program instead
-    assert compiled._compiled == 2
+    assert compiled.programs.compiled == 2
 
 
 def test_the_cache_is_bounded_and_keeps_the_training_program(monkeypatch, caplog):
     cfg = zoo.tiny_config("llama")
     compiled = fxpar.compile(zoo.build("llama", seed=0), fxpar.Plan(), optimizer=_sgd,
                              example_kwargs=zoo.example_inputs("llama", cfg, batch=2, seq=8))
-    compiled.max_programs = 2
+    compiled.programs.max_programs = 2
     train = compiled.result
     with caplog.at_level("INFO", logger="fxpar"):
         for seq in (9, 10, 11, 9):
             compiled.step(**zoo.example_inputs("llama", cfg, batch=2, seq=seq))
-    assert len(compiled._signatures) == 2 and compiled.result is train
-    assert compiled._compiled == 5  # seq 9 was dropped by seq 11 and compiled again
+    assert len(compiled.programs.entries) == 2 and compiled.result is train
+    assert compiled.programs.compiled == 5  # seq 9 was dropped by seq 11 and compiled again
     new = [r.getMessage() for r in caplog.records if "compiling program" in r.getMessage()]
     assert len(new) == 4 and "(2, 11)" in new[2], new
 
