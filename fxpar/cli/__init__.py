@@ -18,6 +18,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from fxpar.cli.inspect import cmd_inspect
@@ -75,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from fxpar.ir.errors import FxparError
+
+    # fxpar's own news (a program compiled for new input shapes, a dropped one) on stderr, one line each
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("fxpar")
+    if not logger.handlers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
     try:
         return args.func(args)
