@@ -18,6 +18,7 @@ network interface; ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` so a failed collective 
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -84,5 +85,16 @@ def init_distributed(timeout: float | None = None) -> tuple[int, int, torch.devi
     seconds = float(timeout if timeout is not None else os.environ.get("FXPAR_TIMEOUT", 300))
     dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=seconds),
                             device_id=device if device.type == "cuda" else None, **_attempt_store(seconds))
-    liveness.start()
+    atexit.register(_leave)  # the group fxpar made, fxpar takes down: a script need not know it exists
+    liveness.start()  # registered after _leave, so its own exit hook (stopping the heartbeat) runs first
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _leave() -> None:
+    """At exit, destroy the process group ``init_distributed`` created (left to the interpreter's
+    teardown, gloo's worker threads can abort the process after a run that succeeded)."""
+    from fxpar.runtime import liveness
+
+    liveness.stop()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -25,6 +25,7 @@ process) nothing starts and a failure names the ranks of the whole world instead
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import functools
@@ -113,15 +114,21 @@ def start(interval: float | None = None) -> bool:
             return False
         prefix = f"fxpar/live/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         _heart = _Heart(dist.PrefixStore(prefix, client), address, rank, world, interval)
+        atexit.unregister(stop)
+        atexit.register(stop)  # at exit, before the store client is torn down
         return True
 
 
 def stop() -> None:
-    """Stop the heartbeat (a rank that leaves on purpose; the next :func:`start` begins again)."""
+    """Stop the heartbeat (a rank that leaves on purpose; the next :func:`start` begins again) and wait
+    for its thread: a daemon thread still inside a store call when the interpreter exits takes its C++
+    store client down mid-call, which aborts the process ("terminate called without an active
+    exception"). Also run at exit."""
     global _heart
     if _heart is not None:
-        _heart.stopped.set()
-        _heart = None
+        heart, _heart = _heart, None
+        heart.stopped.set()
+        heart.thread.join(timeout=max(2.0, 4 * heart.interval))
 
 
 def _read(store, ranks) -> tuple[dict[int, int], dict[int, str]]:

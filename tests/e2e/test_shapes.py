@@ -92,6 +92,7 @@ def test_the_cache_is_bounded_and_keeps_the_training_program(monkeypatch, caplog
     compiled.programs.max_programs = 2
     train = compiled.result
     with caplog.at_level("INFO", logger="fxpar"):
+        caplog.clear()
         for seq in (9, 10, 11, 9):
             compiled.step(**zoo.example_inputs("llama", cfg, batch=2, seq=seq))
     assert len(compiled.programs.entries) == 2 and compiled.result is train
