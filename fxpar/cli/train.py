@@ -7,8 +7,8 @@ Rank 0 logs a progress bar, the loss, tokens/s and the memory per rank (params +
 states); ``--save DIR --save-every K`` writes checkpoints (fxpar.checkpoint), ``--resume DIR``
 continues from the last complete one, ``--export DIR`` writes a Hugging Face model at the end.
 
-Resuming reproduces the uninterrupted run: the weights and (same plan) the optimizer state come from
-the checkpoint, the data stream skips the steps already taken (synthetic batches are seeded by step)
+Resuming reproduces the uninterrupted run: the weights and the optimizer state come from the
+checkpoint (each rank reads its own shards, under any plan), the data stream skips the steps already taken (synthetic batches are seeded by step)
 and every step seeds the RNG from ``(--seed, step)``. So ``torchrun --max-restarts 1 -m fxpar train ...
 --save DIR --save-every K --resume DIR`` survives a lost rank: torchrun starts the group again, and
 the new run continues from the last checkpoint with the same per-step losses.
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from fxpar.cli.models import load_model
+from fxpar.ir.errors import PlanError
 
 
 def batches(data: str, vocab: int, batch: int, seq: int, seed: int):
@@ -72,7 +73,7 @@ def run(args) -> int:
     torch.manual_seed(args.seed)
     model = load_model(args.model, meta=meta)
     if resume is not None:
-        weights = checkpoint.load_model_state(resume)
+        weights = checkpoint.model_source(resume)  # each rank reads only its own shards
         start = checkpoint.info(resume)["step"]
         say(f"resuming from {resume} (step {start})")
     elif meta:
@@ -87,12 +88,10 @@ def run(args) -> int:
     compiled = fxpar.compile(model, plan, example_kwargs=batch, device=device, weights=weights,
                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr))
     if resume is not None and compiled.optimizer is not None:
-        saved = checkpoint.info(resume)
-        if saved["plan"] == plan.to_dict() and saved["world"] == world:
+        try:  # optimizer states are saved by FQN: they reshard to any plan as the weights do
             checkpoint.load_optimizer(compiled, resume)
-        else:  # the weights reshard to any plan; the optimizer's shards belong to the plan they were saved under
-            say(f"checkpoint saved under {saved['plan']} on {saved['world']} ranks: weights loaded, the optimizer "
-                "state starts afresh")
+        except PlanError as e:  # a checkpoint of an older format, saved under another plan
+            say(f"{e}: weights loaded, the optimizer state starts afresh")
     say(f"plan: {plan}  world {world}  device {device}")
     if rank == 0:
         report = fxpar.inspect(compiled, quiet=True)

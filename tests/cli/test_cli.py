@@ -107,16 +107,23 @@ def test_plan_command_shows_stages_collectives_and_memory():
 
 @pytest.mark.slow
 def test_train_under_torchrun_saves_and_resumes_under_another_plan(tmp_path):
-    """`fxpar train` on 2 processes with pp=2 saving at step 2, then resumed with dp=2 from that checkpoint
-    (same-plan resumption, optimizer included, is tests/e2e/test_composition.py's)."""
+    """`fxpar train` on 2 processes with pp=2 for 4 steps, saving every 2; then resumed with dp=2 from the
+    step-2 checkpoint: weights and optimizer states (AdamW's moments: step 4's loss depends on them)
+    reshard, so its steps 3 and 4 are the uninterrupted run's (same-plan resumption after a lost rank:
+    tests/cli/test_train_resume.py)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "-m", "fxpar", "train", "llama", "--batch", "4", "--seq", "16"]
-    first = _run(torchrun + ["--plan", "pp=2", "--steps", "2", "--save", str(tmp_path / "ckpt"), "--save-every", "2",
-                             "--export", str(tmp_path / "hf")])
+                "-m", "fxpar", "train", "llama", "--batch", "4", "--seq", "16", "--steps", "4"]
+    first = _run(torchrun + ["--plan", "pp=2", "--save", str(tmp_path / "ckpt"), "--save-every", "2",
+                             "--export", str(tmp_path / "hf"), "--losses-out", str(tmp_path / "first.txt")])
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "step 2/2  loss" in first.stdout and "tok/s" in first.stdout and "mem/rank" in first.stdout
+    assert "step 4/4  loss" in first.stdout and "tok/s" in first.stdout and "mem/rank" in first.stdout
     assert (tmp_path / "hf" / "model.safetensors").exists()
-    second = _run(torchrun + ["--plan", "dp=2", "--steps", "4", "--resume", str(tmp_path / "ckpt")])
+    (tmp_path / "ckpt" / "latest").write_text("step_00000002\n")  # resume from step 2, not the last save
+    second = _run(torchrun + ["--plan", "dp=2", "--resume", str(tmp_path / "ckpt"),
+                              "--losses-out", str(tmp_path / "second.txt")])
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "optimizer state starts afresh" in second.stdout and "step 4/4" in second.stdout
-    assert "resuming from" in second.stdout
+    assert "resuming from" in second.stdout and "step 4/4" in second.stdout and "afresh" not in second.stdout
+    uninterrupted = [float(x) for x in (tmp_path / "first.txt").read_text().split()]
+    resumed = [float(x) for x in (tmp_path / "second.txt").read_text().split()]
+    assert len(uninterrupted) == 4 and len(resumed) == 2
+    assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[2:])) < 1e-5, (resumed, uninterrupted)
