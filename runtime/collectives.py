@@ -189,8 +189,27 @@ def observing_param_gathers(observer: Callable):
         _param_gather_observer.reset(token)
 
 
+# ZeRO++-style int8 weight gathers (issue 12), off unless FXPAR_ZERO3_COMM_DTYPE=int8: each rank's flat
+# shard goes as int8 codes + one fp32 scale per block of 256 (fxpar.runtime.kernels.quant), dequantized to
+# the compute dtype after the gather. Not yet a Plan option, nor seen by the graph's byte counters.
+ZERO3_COMM_DTYPE_ENV = "FXPAR_ZERO3_COMM_DTYPE"
+
+
+def _gather_params_int8(x: torch.Tensor, group: str, dtype: torch.dtype) -> torch.Tensor:
+    from fxpar.runtime.kernels import quant  # imported on first use: the kernels module loads triton
+
+    q, scales = quant.quantize_shard([x], 1, 0)
+    codes = _gather_impl("gather_params", q, group, 0)
+    scales = _gather_impl("gather_params", scales, group, 0)
+    return quant.dequantize(codes, scales, codes.numel() // q.numel(), dtype=dtype)
+
+
 def _gather_params(x: torch.Tensor, group: str, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    out = _gather_impl("gather_params", x if dtype is None else x.to(dtype), group, dim)
+    if os.environ.get(ZERO3_COMM_DTYPE_ENV) == "int8" and x.dim() == 1 and x.is_floating_point() \
+            and x.numel():
+        out = _gather_params_int8(x, group, dtype or x.dtype)
+    else:
+        out = _gather_impl("gather_params", x if dtype is None else x.to(dtype), group, dim)
     observer = _param_gather_observer.get()
     if observer is not None:
         observer(out, x, group, dim, dtype)
