@@ -29,6 +29,7 @@ from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.schedule import build_schedule
 from fxpar.ir.stage import CompileResult
+from fxpar.passes.lower_collectives import lower_collectives
 from fxpar.planner import feasibility
 from fxpar.runtime import liveness
 from fxpar.runtime.groups import mesh_groups
@@ -88,6 +89,8 @@ def trace(model: torch.nn.Module, example_args: tuple = (), example_kwargs: dict
 
 class _Builder:
     """Compiles one input signature for this rank: trace one microbatch, cut, run the passes, predict."""
+
+    lower_collectives = staticmethod(lower_collectives)  # for Plan(compile=True): the runtime compiles with it
 
     def __init__(self, model, plan: Plan, mesh: MeshSpec, setup, actions, device, device_model: DeviceModel,
                  frontend: str, weights: WeightSource | None):

@@ -28,6 +28,7 @@ from fxpar.ir.optim import state_count
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.stage import CompileResult, PipelineProgram
+from fxpar.runtime.compile import compile_enabled, compile_stage
 from fxpar.runtime.data_parallel import DataParallelEngine, held_bytes
 from fxpar.runtime.liveness import guarded
 from fxpar.runtime.pipeline import PipelineRuntime
@@ -71,9 +72,15 @@ class CompiledModel:
 
     # ---- building ----------------------------------------------------------------------------------
     def _runtime(self, result: CompileResult) -> PipelineRuntime:
+        stage_fns = None
+        if compile_enabled(self.plan.compile, self.device) and not self.dry:  # Plan.compile: through Inductor
+            lower = getattr(self._build, "lower_collectives", None)  # the pass, from the api layer
+            stage_fns = {s.index: compile_stage(s.gm, stage=s.index, lower=lower)
+                         for s in result.pipeline.stages_of(self.pp_rank)}
         return PipelineRuntime(result.pipeline, self.schedule, self.pp_rank, self.spec.pipeline_ranks(), None,
                                self.device, self.timeout, forward_context=Zero3Regather if self.plan.zero == 3 else None,
-                               autocast_dtype=torch.bfloat16 if self.plan.mixed_precision == "bf16" else None)
+                               autocast_dtype=torch.bfloat16 if self.plan.mixed_precision == "bf16" else None,
+                               stage_fns=stage_fns)
 
     def _my_named_parameters(self, pipeline: PipelineProgram) -> list[tuple[str, torch.nn.Parameter]]:
         """(name in its stage, parameter) for the stages this rank runs, each parameter once."""

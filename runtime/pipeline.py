@@ -126,7 +126,7 @@ class PipelineRuntime:
 
     def __init__(self, pprog: PipelineProgram, schedule: dict[int, list[Action]], me: int,
                  global_ranks: list[int], group=None, device: torch.device | str = "cpu", timeout: float = 300.0,
-                 *, forward_context=None, autocast_dtype: torch.dtype | None = None):
+                 *, forward_context=None, autocast_dtype: torch.dtype | None = None, stage_fns=None):
         self.pprog, self.schedule, self.me = pprog, schedule, me
         self.actions = schedule[me]
         self.rank_of = pprog.stage_to_rank
@@ -135,6 +135,7 @@ class PipelineRuntime:
         self.stages = {s.index: s for s in pprog.stages_of(me)}
         self.forward_context = forward_context or contextlib.nullcontext  # wraps each training forward (ZeRO-3)
         self.autocast_dtype = autocast_dtype  # mixed precision: forwards run under torch.autocast
+        self.stage_fns = stage_fns or {}  # stage -> what runs it instead of its GraphModule (compiled)
         # (stage, output) -> how many stages on this rank read it
         self.local_readers: dict[tuple[int, int], int] = defaultdict(int)
         for s in self.stages.values():
@@ -182,7 +183,7 @@ class PipelineRuntime:
                 with torch.set_grad_enabled(train), (self.forward_context() if train else contextlib.nullcontext()), \
                         (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                          else contextlib.nullcontext()):
-                    outs = spec.gm(*args)
+                    outs = self.stage_fns.get(act.stage, spec.gm)(*args)
                 for i, (o, cons) in enumerate(zip(outs, spec.consumers)):
                     for dst in sorted({self.rank_of[c] for c in cons}):
                         if dst == self.me:
@@ -218,9 +219,10 @@ class PipelineRuntime:
                         tensors.append(o.clone() if act.kind == "I" and o._is_view() else o)
                         out_grads.append(g)
                 inputs_needing = [a for a, need in zip(args, spec.input_needs_grad) if need]
-                if act.kind == "B" or not inputs_needing:
+                if act.kind == "B" or not inputs_needing or act.stage in self.stage_fns:
                     # a stage whose inputs need no gradient (the first) has nothing to split: its whole
-                    # backward is weight gradients, done here, and its W does nothing
+                    # backward is weight gradients, done here, and its W does nothing; nor has a compiled
+                    # stage, whose backward is one autograd node
                     if tensors:
                         torch.autograd.backward(tensors, out_grads)
                     in_grads = [a.grad for a in inputs_needing]

@@ -54,6 +54,10 @@ class Plan:
     recompute: Literal["none", "layer", "selective"] = "none"
     """Activation recompute: ``layer`` recomputes each decoder layer's forward in backward (HF gradient
     checkpointing, full AC); ``selective`` keeps matmul outputs and recomputes the cheap ops between them."""
+    compile: bool | None = None
+    """True compiles each rank's stage graphs with torch.compile (Inductor), fxpar's collectives lowered
+    to torch's functional ones so Inductor can overlap them; None: on for CUDA devices, off on the CPU
+    (compiling costs seconds per graph there); False: never."""
 
     def __post_init__(self):
         for name in ("dp", "pp", "tp"):
@@ -73,6 +77,8 @@ class Plan:
             raise PlanError(f"Plan.prefetch={self.prefetch!r}, bucket_mb={self.bucket_mb!r}: must be >= 0")
         if self.virtual_stages is not None and (not isinstance(self.virtual_stages, int) or self.virtual_stages < 1):
             raise PlanError(f"Plan.virtual_stages={self.virtual_stages!r}: must be an integer >= 1")
+        if self.compile not in (None, True, False):
+            raise PlanError(f"Plan.compile={self.compile!r}: use True, False or leave it out (None: on for CUDA)")
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"Plan.recompute={self.recompute!r}: use one of {RECOMPUTE}")
         for fqn, where in (self.split_points or {}).items():
@@ -100,7 +106,9 @@ class Plan:
                                 "(split_points and tp_plan go in a plan file)")
             value = value.strip()
             kind = str(known[key].type)  # parsed by the field's type: a new field needs no parser change
-            if kind == "bool":
+            if kind == "bool | None" and value.lower() in ("none", "auto", ""):
+                kwargs[key] = None
+            elif kind in ("bool", "bool | None"):
                 kwargs[key] = value.lower() in ("1", "true", "yes", "on")
             elif kind.startswith("float"):
                 try:
