@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _docs import replace_section  # noqa: E402
 from recompute import StorageTracker  # noqa: E402
 
 from fxpar.runtime.kernels import cross_entropy as ce  # noqa: E402
@@ -187,16 +187,7 @@ def main() -> int:
     ])
     print(text)
     if a.write:
-        path = Path(a.write)
-        doc = path.read_text() if path.exists() else ""
-        start = doc.find(f"\n{SECTION}\n")
-        if start >= 0:
-            nxt = re.search(r"\n## ", doc[start + len(SECTION) + 2:])
-            rest = doc[start + len(SECTION) + 2 + nxt.start():] if nxt else ""
-            doc = doc[:start] + text.rstrip("\n") + "\n" + rest
-        else:
-            doc = doc.rstrip("\n") + "\n" + text
-        path.write_text(doc)
+        replace_section(a.write, SECTION, text)
     if failures:
         print(f"FAIL: fused / unfused peak above 0.25 or a difference above 1e-5: {failures}")
         return 1

@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+from _docs import replace_section  # bench/_docs.py (the script's folder is on sys.path)
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -171,16 +170,7 @@ def main() -> int:
     ])
     print(text)
     if a.write:
-        path = Path(a.write)
-        doc = path.read_text() if path.exists() else ""
-        start = doc.find(f"\n{SECTION}\n")
-        if start >= 0:
-            nxt = re.search(r"\n#{1,3} ", doc[start + len(SECTION) + 2:])  # the next section, any level
-            rest = doc[start + len(SECTION) + 2 + nxt.start():] if nxt else ""
-            doc = doc[:start] + text.rstrip("\n") + "\n" + rest
-        else:
-            doc = doc.rstrip("\n") + "\n" + text
-        path.write_text(doc)
+        replace_section(a.write, SECTION, text)
     # the acceptance bound is on the whole 8-layer model (a 1-rank plan); other plans' ranks are reported
     bad = [r for r in ratios if r[2] == "layer" and r[3] > 0.3 and fxpar.Plan.parse(r[0]).world_size == 1]
     if mismatch or bad:
