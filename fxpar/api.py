@@ -90,8 +90,6 @@ def trace(model: torch.nn.Module, example_args: tuple = (), example_kwargs: dict
 class _Builder:
     """Compiles one input signature for this rank: trace one microbatch, cut, run the passes, predict."""
 
-    lower_collectives = staticmethod(lower_collectives)  # for Plan(compile=True): the runtime compiles with it
-
     def __init__(self, model, plan: Plan, mesh: MeshSpec, setup, actions, device, device_model: DeviceModel,
                  frontend: str, weights: WeightSource | None):
         self.model, self.plan, self.mesh, self.setup, self.actions = model, plan, mesh, setup, actions
@@ -202,4 +200,5 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
     builder = _Builder(model, plan, mesh, setup, actions, device, device_model, frontend, source)
     return CompiledModel(builder, model, plan, mesh, setup, actions, example_args, example_kwargs, optimizer,
                          device=device, timeout=timeout, device_mesh=device_mesh, program=program, dry=dry,
-                         predict_memory=lambda n, states: memory_per_rank(n, plan.zero, plan.dp, states))
+                         predict_memory=lambda n, states: memory_per_rank(n, plan.zero, plan.dp, states),
+                         lower_collectives=lower_collectives)  # for Plan(compile=True); runtime never imports passes

@@ -44,7 +44,7 @@ class CompiledModel:
     def __init__(self, build: Callable, model: torch.nn.Module, plan: Plan, mesh: MeshSpec, setup, actions,
                  example_args, example_kwargs, optimizer, *, device: torch.device, timeout: float,
                  device_mesh=None, program: Program | None = None, predict_memory: Callable | None = None,
-                 dry: bool = False):
+                 dry: bool = False, lower_collectives: Callable | None = None):
         self.model, self.plan, self.spec, self.setup = model, plan, mesh, setup
         self.mesh = device_mesh  # torch's DeviceMesh (None on one rank, or when only pricing the plan)
         self.world, self.rank = mesh.world_size, mesh.rank
@@ -53,7 +53,7 @@ class CompiledModel:
         self.device, self.timeout, self.dry = device, timeout, dry
         self.schedule_name, self.schedule, self.m = setup.schedule, actions, setup.microbatches
         self.stage_to_rank = list(setup.stage_to_rank)
-        self._build, self._predict_memory = build, predict_memory
+        self._build, self._predict_memory, self._lower = build, predict_memory, lower_collectives
         self.steps = 0  # training steps run
         self.programs = ProgramCache(build, build.setup_for, self._runtime)  # one per input shapes
         self._train = self.programs.get(example_args, example_kwargs, program)[0]
@@ -74,8 +74,7 @@ class CompiledModel:
     def _runtime(self, result: CompileResult) -> PipelineRuntime:
         stage_fns = None
         if compile_enabled(self.plan.compile, self.device) and not self.dry:  # Plan.compile: through Inductor
-            lower = getattr(self._build, "lower_collectives", None)  # the pass, from the api layer
-            stage_fns = {s.index: compile_stage(s.gm, stage=s.index, lower=lower)
+            stage_fns = {s.index: compile_stage(s.gm, stage=s.index, lower=self._lower)
                          for s in result.pipeline.stages_of(self.pp_rank)}
         return PipelineRuntime(result.pipeline, self.schedule, self.pp_rank, self.spec.pipeline_ranks(), None,
                                self.device, self.timeout, forward_context=Zero3Regather if self.plan.zero == 3 else None,

@@ -50,8 +50,10 @@ def check_shapes(program, microbatch: list, names: list[str] | None = None) -> N
     runs on no other: reshapes and expands baked into it would fail deep inside, or silently broadcast."""
     users = {b.placeholder: b.index for b in program.inputs if b.kind == "user"}
     names = names or flat_kwarg_names(program)
-    for node in program.graph.nodes:
-        if node.op != "placeholder" or node.name not in users:
+    for node in program.graph.nodes:  # called every step: placeholders come first, stop after them
+        if node.op != "placeholder":
+            break
+        if node.name not in users:
             continue
         want, got = node.meta.get("val"), microbatch[users[node.name]]
         if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
