@@ -58,6 +58,20 @@ class Plan:
     """True compiles each rank's stage graphs with torch.compile (Inductor), fxpar's collectives lowered
     to torch's functional ones so Inductor can overlap them; None: on for CUDA devices, off on the CPU
     (compiling costs seconds per graph there); False: never."""
+    comm_dtype: Literal["int8"] | None = None
+    """``"int8"``: ZeRO-3's parameter gathers go block-quantized (ZeRO++ qwZ: int8 codes + one fp32 scale
+    per block of 256, quantized while packing the shard, dequantized after the gather): about half the
+    bytes of bf16. Needs zero=3."""
+    quantize_grads: bool = False
+    """With ``comm_dtype="int8"``: ZeRO-3's gradient reduce-scatters go as int8 all-to-all with fp32
+    accumulation on the receiving rank (ZeRO++ qgZ)."""
+    collective_matmul: int = 0
+    """Sequence-parallel TP: cut each all-gather -> matmul and matmul -> reduce-scatter into this many
+    chunks, chunk i+1's communication in flight while chunk i multiplies (0: off). Needs
+    sequence_parallel."""
+    fused_loss: bool = False
+    """Compute the LM head and the (vocabulary-parallel) cross-entropy in one chunked kernel, so the
+    ``[tokens, vocab / tp]`` logits are never held whole."""
 
     def __post_init__(self):
         for name in ("dp", "pp", "tp"):
@@ -79,6 +93,19 @@ class Plan:
             raise PlanError(f"Plan.virtual_stages={self.virtual_stages!r}: must be an integer >= 1")
         if self.compile not in (None, True, False):
             raise PlanError(f"Plan.compile={self.compile!r}: use True, False or leave it out (None: on for CUDA)")
+        if self.comm_dtype not in (None, "int8"):
+            raise PlanError(f"Plan.comm_dtype={self.comm_dtype!r}: use 'int8' or leave it out")
+        if self.comm_dtype is not None and self.zero != 3:
+            raise PlanError(f"Plan.comm_dtype={self.comm_dtype!r} quantizes ZeRO-3's parameter gathers; "
+                            f"zero={self.zero} has none: use zero=3")
+        if self.quantize_grads and self.comm_dtype is None:
+            raise PlanError("Plan.quantize_grads=True needs comm_dtype='int8' (and zero=3)")
+        if not isinstance(self.collective_matmul, int) or self.collective_matmul < 0 \
+                or self.collective_matmul == 1:
+            raise PlanError(f"Plan.collective_matmul={self.collective_matmul!r}: use 0 (off) or a chunk count >= 2")
+        if self.collective_matmul and not self.sequence_parallel:
+            raise PlanError(f"Plan.collective_matmul={self.collective_matmul} overlaps sequence-parallel "
+                            "all-gathers and reduce-scatters with matmuls: set sequence_parallel=True and tp > 1")
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"Plan.recompute={self.recompute!r}: use one of {RECOMPUTE}")
         for fqn, where in (self.split_points or {}).items():
@@ -106,7 +133,7 @@ class Plan:
                                 "(split_points and tp_plan go in a plan file)")
             value = value.strip()
             kind = str(known[key].type)  # parsed by the field's type: a new field needs no parser change
-            if kind == "bool | None" and value.lower() in ("none", "auto", ""):
+            if kind.endswith("| None") and value.lower() in ("none", "auto", ""):
                 kwargs[key] = None
             elif kind in ("bool", "bool | None"):
                 kwargs[key] = value.lower() in ("1", "true", "yes", "on")
