@@ -159,6 +159,10 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     naming it, within the timeout.
     """
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
+    if plan.fused_loss:  # the fused loss's kernels (loaded on demand: the module imports triton)
+        import fxpar.runtime.kernels.cross_entropy  # noqa: F401
+    if plan.collective_matmul:  # the collective matmul's kernels
+        import fxpar.runtime.kernels.collective_matmul  # noqa: F401
     if launch.launched_by_torchrun() and not dist.is_initialized():
         launch.init_distributed(timeout)  # torchrun started us, the script did not join: join here
     liveness.start()  # a no-op on one rank, or when init_distributed started it

@@ -11,11 +11,14 @@ and schedule predictions are computed from the split program by ``fxpar.cost.pre
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from fxpar.ir.program import Program
 from fxpar.ir.stage import PipelineProgram
 from fxpar.passes.drop_dtype_asserts import drop_dtype_asserts
+from fxpar.passes.fused_loss import fuse_loss
 from fxpar.passes.materialize_weights import materialize_weights
 from fxpar.passes.pipeline_split import loss_position, split_pipeline
 from fxpar.passes.recompute import recompute
@@ -25,6 +28,16 @@ from fxpar.passes.tensor_parallel import tensor_parallel
 from fxpar.passes.zero3 import zero3
 
 __all__ = ["PROGRAM_PASSES", "SPLIT", "STAGE_PASSES", "Pass", "PassContext", "PassOutputs", "run"]
+
+
+def _fused_loss(program: Program, ctx: PassContext) -> Program:
+    program, fused = fuse_loss(program)
+    ctx.out.fused_losses = fused
+    losses = [n.name for n in program.graph.nodes if n.target == torch.ops.aten.cross_entropy_loss.default]
+    if losses:  # a loss the pattern does not take (logits transformed or sliced before it)
+        warnings.warn(f"Plan(fused_loss=True): the loss {losses} does not read an LM head's logits unchanged "
+                      "(see fxpar/passes/fused_loss.py); it runs unfused, holding the logits", stacklevel=2)
+    return program
 
 
 def _tensor_parallel(program: Program, ctx: PassContext) -> Program:
@@ -52,6 +65,7 @@ def _zero3(stage, ctx: PassContext):
 
 
 PROGRAM_PASSES = (  # Program -> Program: the whole traced graph, the same on every rank but for its TP coordinate
+    Pass("fused_loss", _fused_loss, when=lambda c: c.plan.fused_loss),  # before TP: its rule splits the vocab
     Pass("tensor_parallel", _tensor_parallel, when=lambda c: c.mesh.tp > 1),  # before the split: layers still whole
 )
 SPLIT = Pass("pipeline_split", _split)  # Program -> PipelineProgram; cuts chosen on the traced program (ctx.cuts)

@@ -44,6 +44,7 @@ class PassOutputs:
     tp: TpResult = field(default_factory=TpResult)  # what the TP pass sharded (empty without TP)
     zero3_buckets: dict[int, list] = field(default_factory=dict)  # stage -> its ZeRO-3 buckets
     timings: list[tuple[str, float]] = field(default_factory=list)  # (pass, seconds) in the order run
+    fused_losses: list[str] = field(default_factory=list)  # loss nodes the fused_loss pass rewrote
 
 
 @dataclass

@@ -33,7 +33,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 from torch.utils import flop_counter as fc
 
-from fxpar.ir import meta
+from fxpar.ir import fused_ops, meta
 from fxpar.ir.analysis import grad_sources
 from fxpar.ir.meta import NodeCost
 from fxpar.ir.numeric import nbytes, to_int
@@ -42,6 +42,7 @@ from fxpar.ir.ops import collective_kind
 from fxpar.ir.program import Program, subgraphs_of
 
 aten = torch.ops.aten
+_FUSED_LOSS = fused_ops.FUSED_OPS["linear_cross_entropy"].overloadpacket
 
 # Fused attention ops; each takes (query, key, value, ...) first. The pre-dispatch graph has the first;
 # the others appear where a graph was captured lower down.
@@ -144,6 +145,9 @@ def _forward_flops(node: torch.fx.Node, args, kwargs, out) -> tuple[int, str]:
         return _matmul_flops(_shape(args[0]), _shape(args[1])), "matmul"
     if pkt in SDPA_OPS:
         return sdpa_flops(*(_shape(t) for t in args[:3])), "attention"
+    if pkt is _FUSED_LOSS:  # the head's matmul (its elementwise work is small beside it)
+        x, w = _shape(args[0]), _shape(args[1])
+        return fc.mm_flop((math.prod(x[:-1]), x[-1]), (w[1], w[0])), "fused_loss"
     if pkt is not None and pkt in fc.flop_registry:  # a formula that raises goes to the fallback
         return int(fc.flop_registry[pkt](*args, out_val=out, **kwargs)), "matmul"
     return _elementwise_flops(out)
@@ -157,6 +161,8 @@ def _elementwise_flops(out) -> tuple[int, str]:
 
 
 def _backward_flops(kind: str, fwd: int, args) -> int:
+    if kind == "fused_loss":  # the logits recomputed, then dh and dW: three matmuls
+        return 3 * fwd
     if kind == "matmul":
         return 2 * fwd
     if kind == "attention":

@@ -125,6 +125,12 @@ class Program:
         self.root = root
         self._alias = {a: p.fqn for p in self.params.values() for a in p.fqns}
 
+    def with_gm(self, gm: torch.fx.GraphModule) -> Program:
+        """This program with another graph module (the same signature, parameters and tensors)."""
+        return Program(gm, inputs=self.inputs, outputs=self.outputs, in_spec=self.in_spec, out_spec=self.out_spec,
+                       params=self.params, tensors=self._tensors, constants=self.constants, info=self.info,
+                       frontend=self.frontend, root=self.root)
+
     # ---- names -------------------------------------------------------------------------------------
     @property
     def graph(self) -> torch.fx.Graph:

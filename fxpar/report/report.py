@@ -12,6 +12,7 @@ from fxpar.ir.program import Program
 from fxpar.report import budget
 from fxpar.report.collectives import collective_rows, format_collective_rows
 from fxpar.report.graph import graph_text, module_text, partition_dot, write_dot, write_picture
+from fxpar.report.kernels import format_kernel_rows, kernel_rows
 from fxpar.report.stages import format_stage_table, stage_rows
 from fxpar.report.table import ModuleRow, format_rows, human, module_rows, select_rows
 
@@ -70,6 +71,10 @@ class Report:
                          + (f", shard {human(b['shard_bytes'])}B" if b["shard_bytes"] else ""))
         lines.append(budget.format_memory(d["memory"]))
         return "\n".join(lines)
+
+    def kernels(self) -> list[dict]:
+        """fxpar's hand-written kernels this rank runs and the path each takes (``fxpar.report.kernels``)."""
+        return kernel_rows(self.compiled) if self.compiled is not None else []
 
     def communication(self) -> list[dict]:
         """Predicted communication of one training step on this rank, every axis (empty for a trace)."""
@@ -139,6 +144,7 @@ class Report:
                 text += "\n\n" + budget.format_memory(c.memory())
             text += "\n\n" + budget.format_communication(self.communication(), c.m,
                                                           self.data_parallel().get("measured_comm"))
+            text += "\n\n" + format_kernel_rows(self.kernels())
         return text + "\n\n" + self.activation_table()
 
     def __str__(self) -> str:
@@ -167,7 +173,8 @@ class Report:
             **({"plan": self.compiled.plan.to_dict(), "cuts": [list(c) for c in self.compiled.cuts],
                 "stages": self.stages, "predicted": getattr(self.compiled, "predicted", None),
                 "collectives": self.collectives(), "data_parallel": self.data_parallel(),
-                "flops": budget.stage_flops(self.compiled), "communication": self.communication()}
+                "flops": budget.stage_flops(self.compiled), "communication": self.communication(),
+                "kernels": self.kernels()}
                if self.compiled is not None else {}),
         }
 

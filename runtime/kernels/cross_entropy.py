@@ -2,7 +2,8 @@
 
 Reads: hidden states ``h [T, H]``, this rank's rows of the output head ``W [V/tp, H]`` (vocabulary ids
 ``vocab_start .. vocab_start + V/tp``), labels ``[T]`` and the name of the TP group (resolved by
-:mod:`fxpar.runtime.groups`). Writes: the op's kernels (importing this module registers them).
+:mod:`fxpar.runtime.groups`). Writes: the kernels of the ops :mod:`fxpar.ir.fused_ops` declares
+(importing this module registers them).
 
 Why hand-written: the unfused loss holds the ``[T, V/tp]`` logits whole, several times over (the
 logits, the shifted logits, their exponentials, the logits' gradient); Inductor fuses the elementwise
@@ -37,7 +38,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from fxpar.ir import fused_ops
 from fxpar.ir.errors import FxparError
+from fxpar.ir.fused_ops import check_linear_cross_entropy
 from fxpar.runtime.groups import resolve_group
 
 try:
@@ -156,15 +159,6 @@ def grad_triton(x, tgt, lse, g_loss, g_lse, block: int | None = None):
 # The op
 
 
-def _check(hidden, weight, labels):
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise FxparError(f"linear_cross_entropy: hidden [T, H] and weight [V, H] expected, got "
-                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
-    if labels.shape != hidden.shape[:1]:
-        raise FxparError(f"linear_cross_entropy: labels of shape {tuple(hidden.shape[:1])} expected, "
-                         f"got {tuple(labels.shape)}")
-
-
 def chunk_tokens(tokens: int, hidden: int, vocab_shard: int, chunk: int = 0) -> int:
     """Tokens per chunk: ``chunk`` if given, else as many as keep a chunk's logits no larger than the
     hidden states themselves (at least 2**18 elements)."""
@@ -189,7 +183,8 @@ def _chunks(tokens: int, size: int):
 
 def forward_impl(hidden, weight, labels, vocab_start, group, ignore_index, chunk, reduce_grad_hidden):
     """The forward op's kernel as a plain function (a memory tracker calls it to see inside the op)."""
-    _check(hidden, weight, labels)
+    check_linear_cross_entropy(hidden, weight, labels)
+    shape, hidden, labels = labels.shape, hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     tokens, shard = hidden.shape[0], weight.shape[0]
     tgt = _local_targets(labels, vocab_start, shard, ignore_index)
     top, total, picked = (torch.empty(tokens, dtype=torch.float32, device=hidden.device) for _ in range(3))
@@ -205,26 +200,15 @@ def forward_impl(hidden, weight, labels, vocab_start, group, ignore_index, chunk
         top, total, picked = top_all, packed[0], packed[1]
     lse = top + torch.log(total)
     loss = (lse - picked).masked_fill(labels == ignore_index, 0.0)
-    return loss, lse
-
-
-@torch.library.custom_op("fxpar_kernels::linear_cross_entropy", mutates_args=())
-def linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                            group: str | None, ignore_index: int, chunk: int,
-                            reduce_grad_hidden: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward_impl(hidden, weight, labels, vocab_start, group, ignore_index, chunk, reduce_grad_hidden)
-
-
-@linear_cross_entropy_op.register_fake
-def _forward_fake(hidden, weight, labels, vocab_start, group, ignore_index, chunk, reduce_grad_hidden):
-    _check(hidden, weight, labels)
-    return (hidden.new_empty(hidden.shape[:1], dtype=torch.float32),
-            hidden.new_empty(hidden.shape[:1], dtype=torch.float32))
+    return loss.view(shape), lse.view(shape)
 
 
 def backward_impl(hidden, weight, labels, lse, grad_loss, grad_lse, vocab_start, group, ignore_index, chunk,
                   reduce_grad_hidden):
     """The backward op's kernel as a plain function: (dh, dW)."""
+    shape = hidden.shape
+    hidden, labels = hidden.reshape(-1, shape[-1]), labels.reshape(-1)
+    lse, grad_loss, grad_lse = lse.reshape(-1), grad_loss.reshape(-1), grad_lse.reshape(-1)
     tokens, shard = hidden.shape[0], weight.shape[0]
     tgt = _local_targets(labels, vocab_start, shard, ignore_index)
     g_loss = grad_loss.float().masked_fill(labels == ignore_index, 0.0)
@@ -244,39 +228,14 @@ def backward_impl(hidden, weight, labels, lse, grad_loss, grad_lse, vocab_start,
     pg = resolve_group(group) if group and reduce_grad_hidden else None
     if pg is not None:
         dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=pg)
-    return dh, dw.to(weight.dtype)
+    return dh.view(shape), dw.to(weight.dtype)
 
 
-@torch.library.custom_op("fxpar_kernels::linear_cross_entropy_backward", mutates_args=())
-def linear_cross_entropy_backward_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                     lse: torch.Tensor, grad_loss: torch.Tensor, grad_lse: torch.Tensor,
-                                     vocab_start: int, group: str | None, ignore_index: int, chunk: int,
-                                     reduce_grad_hidden: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return backward_impl(hidden, weight, labels, lse, grad_loss, grad_lse, vocab_start, group, ignore_index, chunk,
-                         reduce_grad_hidden)
-
-
-@linear_cross_entropy_backward_op.register_fake
-def _backward_fake(hidden, weight, labels, lse, grad_loss, grad_lse, vocab_start, group, ignore_index, chunk,
-                   reduce_grad_hidden):
-    return torch.empty_like(hidden), torch.empty_like(weight)
-
-
-def _setup_context(ctx, inputs, output):
-    hidden, weight, labels, *rest = inputs
-    ctx.save_for_backward(hidden, weight, labels, output[1])
-    ctx.rest = tuple(rest)
-
-
-def _backward(ctx, grad_loss, grad_lse):
-    hidden, weight, labels, lse = ctx.saved_tensors
-    grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss
-    grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
-    dh, dw = linear_cross_entropy_backward_op(hidden, weight, labels, lse, grad_loss, grad_lse, *ctx.rest)
-    return dh, dw, None, None, None, None, None, None
-
-
-linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+# the schemas, fake kernels and autograd formula are fxpar.ir.fused_ops' (passes emit the ops without
+# importing the runtime); these are the real kernels, for every device
+fused_ops.linear_cross_entropy.register_kernel(None, forward_impl)
+fused_ops.linear_cross_entropy_backward.register_kernel(None, backward_impl)
+linear_cross_entropy_op = fused_ops.linear_cross_entropy
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fxpar.ir import meta
+from fxpar.ir import fused_ops, meta
 from fxpar.ir.placement import Replicate, Shard
 from fxpar.passes.tensor_parallel.rules.pointwise import pointwise_or_gather
 from fxpar.passes.tensor_parallel.rules.registry import rule
@@ -52,3 +52,21 @@ def vocab_parallel_cross_entropy(rw, old, args, kwargs):
     if reduction == 2:
         return total
     return c(aten.div.Tensor, total, c(aten.sum.default, valid))
+
+
+@rule(fused_ops.FUSED_OPS["linear_cross_entropy"].overloadpacket)
+def vocab_parallel_fused_loss(rw, old, args, kwargs):
+    """The fused loss (``passes/fused_loss.py``) with the head cut by vocabulary rows (``Shard(0)``, as
+    the unfused head is column-parallel): each rank computes its rows' logits chunk by chunk, the max
+    and sum-exp reductions run inside the op, and its hidden-state gradient is this rank's partial sum,
+    reduced by Megatron's f before it (or the sequence-parallel gather's reduce-scatter), which
+    :meth:`column_input` emits where it is visible to the counters. A replicated head: the op as it is
+    on replicated inputs."""
+    h, w, labels, _, _, ignore, chunk, _ = args
+    labels = rw.replicate(labels, old.args[2])
+    if rw.shard_dim(w) != 0:
+        return rw.call(old.target, (rw.replicate(h, old.args[0]), rw.replicate(w, old.args[1]), labels,
+                                    *args[3:]), like=old)
+    per = old.args[1].meta[meta.VAL].shape[0] // rw.tp
+    h = rw.column_input(h, old.args[0])
+    return rw.call(old.target, (h, w, labels, rw.rank * per, rw.group, ignore, chunk, False), like=old)

@@ -1,0 +1,78 @@
+"""The hand-written kernels a compiled model runs on this rank, and which path each takes.
+
+Reads: the stage graphs of a compiled model (``torch.ops.fxpar_kernels.*`` nodes, and ZeRO-3 gathers
+that go quantized) and its plan (the data-parallel engine's bucket kernels, which run outside the
+graphs). Writes nothing.
+
+Every kernel of ``fxpar.runtime.kernels`` has a Triton path and a torch path and picks by the tensors'
+device: Triton on CUDA (where triton is installed), torch elsewhere. The report says which path this
+rank's device takes; it does not import the runtime (the layering), so it names the ops by their
+qualified names.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+
+import torch
+
+from fxpar.ir.ops import collective_kind
+
+_WHAT = {
+    "linear_cross_entropy": "fused LM head + vocabulary-parallel cross-entropy, chunked over tokens",
+    "quantize_shard": "int8 block quantization of a ZeRO-3 shard (copy-in of the gather)",
+    "dequantize_copy_out": "int8 dequantization of a gathered bucket (copy-out)",
+    "pack_grads": "gradient bucket copy-in for the reduction (cast, padded, one launch)",
+    "copy_out": "gathered bucket split back into the parameters (one launch)",
+}
+
+
+def kernel_path(device: torch.device | str) -> str:
+    """``"triton"`` or ``"torch"``: the path fxpar's kernels take for tensors on ``device``."""
+    cuda = torch.device(device).type == "cuda"
+    return "triton" if cuda and importlib.util.find_spec("triton") is not None else "torch"
+
+
+def kernel_rows(compiled) -> list[dict]:
+    """One row per kernel this rank runs: name, where (stage graphs or the data-parallel engine), how
+    many call sites, what it does, and the path on this rank's device."""
+    path = kernel_path(getattr(compiled, "device", "cpu"))
+    found: Counter = Counter()
+    for stage in compiled.pipeline.stages_of(compiled.pp_rank):
+        for gm in (m for m in stage.gm.modules() if isinstance(m, torch.fx.GraphModule)):
+            for node in gm.graph.nodes:
+                name = _fused_name(node)
+                if name is not None:
+                    found[(name, f"stage {stage.index}")] += 1
+                if collective_kind(node) == "gather_params" and str(_comm_dtype(node)).startswith("int8"):
+                    found[("quantize_shard", f"stage {stage.index}")] += 1
+                    found[("dequantize_copy_out", f"stage {stage.index}")] += 1
+    rows = [{"kernel": name, "where": where, "sites": n, "what": _WHAT.get(name, ""), "path": path}
+            for (name, where), n in sorted(found.items())]
+    engine = getattr(compiled, "engine", None)
+    for name in getattr(engine, "kernels", ()):  # the engine names the bucket kernels it launches
+        rows.append({"kernel": name, "where": "data-parallel engine", "sites": len(engine.buckets),
+                     "what": _WHAT.get(name, ""), "path": path})
+    return rows
+
+
+def _fused_name(node: torch.fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    packet = getattr(node.target, "overloadpacket", None)
+    namespace, _, name = getattr(packet, "_qualified_op_name", "").partition("::")
+    return name if namespace == "fxpar_kernels" else None
+
+
+def _comm_dtype(node: torch.fx.Node):
+    return node.args[4] if len(node.args) > 4 else node.kwargs.get("comm_dtype")
+
+
+def format_kernel_rows(rows: list[dict]) -> str:
+    if not rows:
+        return "kernels: none of fxpar's hand-written kernels (every op is torch's or Inductor's)"
+    lines = ["kernels (fxpar.runtime.kernels) on this rank:"]
+    for r in rows:
+        lines.append(f"  {r['kernel']} [{r['path']}] in {r['where']} x{r['sites']}: {r['what']}")
+    return "\n".join(lines)

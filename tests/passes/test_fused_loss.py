@@ -1,0 +1,101 @@
+"""``Plan(fused_loss=True)``: the LM head and its cross-entropy as one chunked op (passes/fused_loss.py),
+split over the vocabulary by the TP rule, against one process (loss and every gradient) and against the
+unfused graph's structure."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fxpar
+from fxpar import zoo
+from fxpar.ir.fused_ops import FUSED_OPS
+from fxpar.ir.ops import count_collectives
+from fxpar.ir.plan import Plan
+from fxpar.passes.fused_loss import fuse_loss
+from fxpar.testing import multiproc
+from fxpar.testing.compare import train_against_reference
+
+TOL = 1e-5
+FUSED = FUSED_OPS["linear_cross_entropy"]
+pool2 = multiproc.rank_pool_fixture(2)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _traced(name: str, **overrides):
+    model = zoo.build(name, seed=0, **overrides)
+    batch = zoo.example_inputs(name, model, batch=2, seq=8)
+    return fxpar.trace(model, (), batch), model, batch
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])  # an untied head, and one tied to the embedding
+def test_fused_graph_has_no_logits(name):
+    program, model, batch = _traced(name)
+    fused, names = fuse_loss(program)
+    assert names == ["cross_entropy_loss"]
+    ops = [n.target for n in fused.graph.nodes if n.op == "call_function"]
+    assert ops.count(FUSED) == 1 and torch.ops.aten.cross_entropy_loss.default not in ops
+    vocab = model.config.vocab_size
+    big = [n.name for n in fused.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+           and n.meta["val"].shape[-1:] == (vocab,) and n.meta["val"].numel() > vocab * 64]
+    assert big == [], f"a [tokens, vocab] value is still in the fused graph: {big}"
+    output = next(n for n in fused.graph.nodes if n.op == "output")
+    assert output.args[0][1] is None  # the logits output is dropped, the loss kept
+    assert FUSED not in [n.target for n in program.graph.nodes]  # the traced program is left alone
+    import fxpar.runtime.kernels.cross_entropy  # noqa: F401  (the op's kernels)
+    torch.testing.assert_close(fused(**batch).loss, model(**batch).loss, rtol=0, atol=1e-5)
+
+
+def test_soft_capped_logits_stay_unfused():
+    """Gemma-2 soft-caps its logits (tanh) before the loss: the fused kernel would compute another
+    function, so the loss keeps its unfused form and the plan says so once."""
+    program, _, _ = _traced("gemma2")
+    assert fuse_loss(program) == (program, [])
+    model = zoo.build("gemma2", seed=0)
+    batch = zoo.example_inputs("gemma2", model, batch=2, seq=8)
+    with pytest.warns(UserWarning, match="fused_loss.*unfused"):
+        compiled = fxpar.compile(model, Plan(fused_loss=True), (), batch, optimizer=_sgd)
+    assert FUSED not in [n.target for n in compiled.program.graph.nodes]
+
+
+def test_one_process_matches_unfused():
+    model = zoo.build("llama", seed=0)
+    batch = zoo.example_inputs("llama", model, batch=2, seq=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model whose loss fuses gets no warning
+        compiled = fxpar.compile(model, Plan(fused_loss=True), (), batch, optimizer=_sgd)
+    diffs = train_against_reference(compiled, zoo.build("llama", seed=0), _sgd, batch, 3, grads=True)
+    assert max(diffs.values()) <= TOL, diffs
+    kernels = fxpar.inspect(compiled, quiet=True).kernels()  # inspection names the kernel and its path
+    assert [(k["kernel"], k["path"], k["sites"]) for k in kernels] == [("linear_cross_entropy", "torch", 1)]
+    assert "linear_cross_entropy [torch] in stage 0" in fxpar.inspect(compiled, quiet=True).to_text()
+
+
+def _tp_case(name: str, plan: str) -> dict:
+    batch = zoo.example_inputs(name, zoo.tiny_config(name), batch=2, seq=8)
+    compiled = fxpar.compile(zoo.build(name, seed=0), plan, example_kwargs=batch, optimizer=_sgd, timeout=120)
+    diffs = train_against_reference(compiled, zoo.build(name, seed=0), _sgd, batch, 3, grads=True)
+    program = compiled.program
+    return {**diffs, "fused": sum(n.target == FUSED for n in program.graph.nodes),
+            "counts": count_collectives(program.gm)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,plan,fewer", [("llama", "tp=2", 3), ("llama", "tp=2,sequence_parallel=1", 3),
+                                              ("gpt2", "tp=2", 0), ("llama", "pp=2", 0)])
+def test_fused_loss_matches_one_process(pool2, name, plan, fewer):
+    """Loss and every gradient within 1e-5 of one unfused process. Where TP splits the head by
+    vocabulary rows (llama), the unfused vocabulary-parallel loss's three all-reduces move into the op
+    (two per call, inside the kernel); GPT-2's head is its (replicated) token embedding, so both forms
+    run the loss on the whole vocabulary."""
+    fused = pool2.run(_tp_case, name, plan + ",fused_loss=1", timeout=300)
+    unfused = pool2.run(_tp_case, name, plan, timeout=300)
+    for f, u in zip(fused, unfused):
+        assert f["loss"] <= TOL and f["grad"] <= TOL and f["weights"] <= TOL, f
+        assert f["fused"] == 1 and u["fused"] == 0
+        assert f["counts"]["all_reduce"] == u["counts"]["all_reduce"] - fewer, (f["counts"], u["counts"])
