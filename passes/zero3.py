@@ -7,8 +7,10 @@ one flat shard parameter ``_zero3.<i>`` on the module (this rank's 1/dp of the b
 ``torch.ops.fxpar.gather_params`` node (all-gather forward; reduce-scatter of the gradient backward)
 and per parameter a slice + view of the gathered bucket replacing its ``get_attr``. The gather is
 placed ``prefetch`` buckets ahead of its first use (0: just before it), so it can be issued while the
-previous bucket computes. Buffers stay whole. The runtime frees the gathered bucket after its last
-forward use and gathers it again for backward (``fxpar.runtime.zero3.Zero3Regather``).
+previous bucket computes. ``Plan(comm_dtype="int8")`` gives the gathers their int8 wire format (and
+``quantize_grads`` their gradients' reduce-scatter), as an argument of the node. Buffers stay whole.
+The runtime frees the gathered bucket after its last forward use and gathers it again for backward
+(``fxpar.runtime.zero3.Zero3Regather``).
 
 ZeRO-3 is this pass and ``fxpar.runtime.zero3``, nothing else. A bucket's flat layout is
 :class:`~fxpar.ir.buckets.FlatBucket`, the same one DDP and ZeRO-1/2 use for their gradient buckets.
@@ -60,12 +62,15 @@ def buckets_of(names: list[str], tensors: dict[str, torch.Tensor], bucket_bytes:
 
 def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, group: str = "dp",
           bucket_bytes: int = 0, prefetch: int = 1, compute_dtype: torch.dtype | None = None,
-          cache: dict[tuple, Zero3Bucket] | None = None) -> list[Zero3Bucket]:
+          cache: dict[tuple, Zero3Bucket] | None = None,
+          comm_dtype: str | None = None) -> list[Zero3Bucket]:
     """Rewrite ``gm`` (a stage) so its parameters ``params`` (FQNs) are gathered from dp shards.
 
     ``compute_dtype``: gather (and compute with) parameters in this dtype, e.g. bf16 mixed precision;
     the shards stay in their own dtype (fp32 master weights) and so do gradient reductions.
     ``cache``: buckets from another signature of the same stage (training and inference share shards).
+    ``comm_dtype``: the gathers' wire format (``"int8"``, ``"int8+grads"``: :mod:`fxpar.ir.wire`); None
+    writes the 4-argument node, full precision.
     Returns the stage's buckets; their ``shard`` parameters are what the optimizer updates."""
     cache = {} if cache is None else cache
     graph = gm.graph
@@ -87,7 +92,8 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
         anchor = gathers[-prefetch] if prefetch and len(gathers) >= prefetch else None
         with graph.inserting_before(first_use if anchor is None else anchor.next):
             shard = graph.get_attr(attr)
-            full = graph.call_function(gather_params_op(), (shard, group, 0, compute_dtype))
+            args = (shard, group, 0, compute_dtype) + ((comm_dtype,) if comm_dtype else ())
+            full = graph.call_function(gather_params_op(), args)
             full.meta[meta.ZERO3_BUCKET] = key
         # shapes on the new nodes (meta tensors), as every other node carries them
         shard.meta[meta.VAL] = torch.empty_like(bucket.shard, device="meta")

@@ -15,6 +15,10 @@ them, for every device: the dispatcher's ``CompositeExplicitAutograd`` key, as `
 * ZeRO-3's regathering (:class:`fxpar.runtime.zero3.Zero3Regather`) needs to hear of every parameter
   bucket ``gather_params`` gathers during a forward: :func:`observing_param_gathers` installs an
   observer for the current context only (a ``ContextVar``, set and reset by the regather object).
+* ``comm_dtype="int8"`` (ZeRO++, ``Plan(comm_dtype=...)``): ``gather_params`` sends each shard as int8
+  codes and fp32 block scales packed into one int8 buffer (one all-gather), ``reduce_scatter`` its
+  slices the same way through one all-to-all, summed in fp32 by the receiving rank. Quantization and
+  its error bounds: :mod:`fxpar.runtime.kernels.quant`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.ir import ops as ir_ops
+from fxpar.ir import wire
 from fxpar.ir.errors import CollectiveError, FxparError
 from fxpar.ir.ops import check_dim, check_reduce_op, shard_len
 from fxpar.runtime.groups import resolve_group
@@ -180,8 +185,8 @@ _param_gather_observer: contextvars.ContextVar[Callable | None] = contextvars.Co
 
 @contextlib.contextmanager
 def observing_param_gathers(observer: Callable):
-    """Within the block (this context only), ``observer(out, shard, group, dim, dtype)`` hears of every
-    bucket ``gather_params`` gathers."""
+    """Within the block (this context only), ``observer(out, shard, group, dim, dtype, comm_dtype)``
+    hears of every bucket ``gather_params`` gathers."""
     token = _param_gather_observer.set(observer)
     try:
         yield
@@ -189,39 +194,95 @@ def observing_param_gathers(observer: Callable):
         _param_gather_observer.reset(token)
 
 
-# ZeRO++-style int8 weight gathers (issue 12), off unless FXPAR_ZERO3_COMM_DTYPE=int8: each rank's flat
-# shard goes as int8 codes + one fp32 scale per block of 256 (fxpar.runtime.kernels.quant), dequantized to
-# the compute dtype after the gather. Not yet a Plan option, nor seen by the graph's byte counters.
-ZERO3_COMM_DTYPE_ENV = "FXPAR_ZERO3_COMM_DTYPE"
-
-
-def _gather_params_int8(x: torch.Tensor, group: str, dtype: torch.dtype) -> torch.Tensor:
+def _int8_pack(front: torch.Tensor, n: int, r: int) -> torch.Tensor:
+    """Slice ``r`` of ``n`` of the flat ``front``, block-quantized (the copy-in kernel of
+    :mod:`fxpar.runtime.kernels.quant`) into one int8 buffer: its codes, then its fp32 scales' bytes, so
+    one collective carries both."""
     from fxpar.runtime.kernels import quant  # imported on first use: the kernels module loads triton
 
-    q, scales = quant.quantize_shard([x], 1, 0)
-    codes = _gather_impl("gather_params", q, group, 0)
-    scales = _gather_impl("gather_params", scales, group, 0)
-    return quant.dequantize(codes, scales, codes.numel() // q.numel(), dtype=dtype)
+    q, scales = quant.quantize_shard([front], n, r, wire.INT8_BLOCK)
+    return torch.cat([q, scales.view(torch.int8)])
 
 
-def _gather_params(x: torch.Tensor, group: str, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    if os.environ.get(ZERO3_COMM_DTYPE_ENV) == "int8" and x.dim() == 1 and x.is_floating_point() \
-            and x.numel():
-        out = _gather_params_int8(x, group, dtype or x.dtype)
-    else:
+def _int8_unpack(buf: torch.Tensor, n: int, m: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` packed slices of ``m`` entries each (:func:`_int8_pack`, back to back) dequantized to
+    ``dtype``: ``[n * m]``."""
+    from fxpar.runtime.kernels import quant
+
+    rows = buf.view(n, -1)
+    codes = rows[:, :m].reshape(-1)
+    scales = rows[:, m:].contiguous().view(torch.float32).reshape(-1)  # fresh storage: aligned for fp32
+    return quant.dequantize(codes, scales, n, wire.INT8_BLOCK, dtype=dtype)
+
+
+def _check_float(op: str, group: str, x: torch.Tensor, comm_dtype: str) -> None:
+    if not x.is_floating_point():
+        raise CollectiveError(f"comm_dtype={comm_dtype!r} quantizes floating tensors, not {x.dtype}",
+                              op=op, group=group, sizes=[tuple(x.shape)])
+
+
+def _gather_params_int8(x: torch.Tensor, group: str, dim: int, dtype: torch.dtype, comm_dtype: str):
+    """ZeRO++ qwZ: this rank's shard as int8 codes + fp32 block scales in one all-gather, every rank's
+    part dequantized to ``dtype`` after it. Blocks never straddle two ranks' shards, so no rank needs
+    another's statistics."""
+    d = check_dim("gather_params", group, x, dim)
+    _check_float("gather_params", group, x, comm_dtype)
+    pg, n, _ = _membership("gather_params", group)
+    front = x.movedim(d, 0).contiguous()
+    if n == 1 or not x.numel():
+        return _copy(front.to(dtype)).movedim(0, d).contiguous()
+    packed = _int8_pack(front.view(-1), 1, 0)
+    _cross_check("gather_params", group, pg, packed)
+    buf = packed.new_empty(n * packed.numel())
+    _communicate("gather_params", group, packed,
+                 lambda: _all_gather_single(buf, packed, group=pg, async_op=True))
+    full = _int8_unpack(buf, n, front.numel(), dtype)
+    return full.view(n * front.shape[0], *front.shape[1:]).movedim(0, d).contiguous()
+
+
+def _gather_params(x: torch.Tensor, group: str, dim: int, dtype: torch.dtype | None = None,
+                   comm_dtype: str | None = None) -> torch.Tensor:
+    wire.check_comm_dtype("gather_params", group, comm_dtype, wire.GATHER_COMM_DTYPES)
+    if comm_dtype is None:
         out = _gather_impl("gather_params", x if dtype is None else x.to(dtype), group, dim)
+    else:
+        out = _gather_params_int8(x, group, dim, dtype or x.dtype, comm_dtype)
     observer = _param_gather_observer.get()
     if observer is not None:
-        observer(out, x, group, dim, dtype)
+        observer(out, x, group, dim, dtype, comm_dtype)
     return out
 
 
-def _reduce_scatter(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
+def _reduce_scatter_int8(x: torch.Tensor, group: str, d: int, k: int, pg, n: int, rank: int) -> torch.Tensor:
+    """ZeRO++ qgZ: slice ``r`` of this rank's ``x`` goes to rank ``r`` block-quantized (int8 codes + fp32
+    scales, one all-to-all), and each rank sums the ``n`` slices it holds in fp32. Its own slice never
+    leaves the rank, so it is summed exact (what it sends itself is ignored); the error bound is in
+    :mod:`fxpar.runtime.kernels.quant`. Gloo runs the all-to-all as pairwise sends: ``(n-1)/n`` of the
+    quantized buffer leaves each rank, as in a ring reduce-scatter."""
+    _check_float("reduce_scatter", group, x, "int8")
+    front = x.movedim(d, 0).contiguous()
+    flat = front.view(-1)
+    m = flat.numel() // n
+    send = torch.cat([_int8_pack(flat, n, r) for r in range(n)])
+    _cross_check("reduce_scatter", group, pg, send)
+    recv = torch.empty_like(send)
+    _communicate("reduce_scatter", group, x,
+                 lambda: dist.all_to_all_single(recv, send, group=pg, async_op=True))
+    parts = _int8_unpack(recv, n, m, torch.float32).view(n, m)
+    parts[rank] = flat[rank * m:(rank + 1) * m]  # this rank's own slice, unquantized
+    out = parts.sum(0, dtype=torch.float32).to(x.dtype)
+    return out.view(k, *front.shape[1:]).movedim(0, d).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, group: str, dim: int, comm_dtype: str | None = None) -> torch.Tensor:
+    wire.check_comm_dtype("reduce_scatter", group, comm_dtype, wire.REDUCE_SCATTER_COMM_DTYPES)
     d = check_dim("reduce_scatter", group, x, dim)
     pg, n, rank = _membership("reduce_scatter", group)
     k = shard_len("reduce_scatter", group, x, d, n)
     if n == 1:
         return _copy(x)
+    if comm_dtype == "int8" and x.numel():
+        return _reduce_scatter_int8(x, group, d, k, pg, n, rank)
     _cross_check("reduce_scatter", group, pg, x)
     if _backend_of(pg, x.device) == "gloo":
         # Gloo has no reduce-scatter algorithm of its own: where a torch release offers a single-tensor

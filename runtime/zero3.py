@@ -33,7 +33,8 @@ class Zero3Regather:
     autograd graph of that forward does."""
 
     def __init__(self):
-        # storage pointer of a gathered bucket -> (weak ref to its storage, (shard, group, dim, dtype));
+        # storage pointer of a gathered bucket -> (weak ref to its storage,
+        # (shard, group, dim, dtype, comm_dtype));
         # the weak ref tells a live bucket from a later tensor that happens to reuse a freed bucket's address
         self.buckets: dict[int, tuple] = {}
         self.regathered: dict[int, torch.Tensor] = {}
@@ -58,9 +59,9 @@ class Zero3Regather:
             self._observing.__exit__(*exc)
             self._hooks = self._observing = None
 
-    def _observe(self, out, shard, group, dim, dtype) -> None:
+    def _observe(self, out, shard, group, dim, dtype, comm_dtype=None) -> None:
         self.buckets[out.untyped_storage().data_ptr()] = (StorageWeakRef(out.untyped_storage()),
-                                                          (shard, group, dim, dtype))
+                                                          (shard, group, dim, dtype, comm_dtype))
 
     def _pack(self, t: torch.Tensor):
         if t.device.type == "meta" or not self.buckets:
@@ -77,11 +78,11 @@ class Zero3Regather:
     def _unpack(self, saved):
         if not (isinstance(saved, tuple) and saved and saved[0] == "zero3"):
             return saved
-        _, ptr, (shard, group, dim, dtype), offset, shape, stride = saved
+        _, ptr, (shard, group, dim, dtype, comm_dtype), offset, shape, stride = saved
         if ptr not in self.regathered:
             self.regathered.clear()  # backward has moved on to another bucket
             with torch.no_grad():
-                self.regathered[ptr] = gather_params(shard.detach(), group, dim, dtype)
+                self.regathered[ptr] = gather_params(shard.detach(), group, dim, dtype, comm_dtype)
         return self.regathered[ptr].as_strided(shape, stride, offset)
 
 

@@ -13,6 +13,14 @@ report and a planner can price a plan for any world on one process.
 * :func:`step_collectives`, :func:`data_parallel_collectives` and :func:`pipeline_transfers` give one
   training step's communication per rank: the graph's collectives (TP, ZeRO-3) times the microbatches,
   the data-parallel engine's gradient reduction and parameter gathering, the pipeline's sends.
+
+Bytes are wire bytes: a node's ``comm_dtype`` argument (ZeRO++ int8, :mod:`fxpar.ir.wire`) counts int8
+codes plus one fp32 scale per block of every rank's slice (:func:`~fxpar.ir.wire.int8_wire_bytes`).
+A ZeRO-3 ``gather_params`` counts its gather in the gathered dtype; its backward the regather (the
+same) and the reduce-scatter of the gradient in the shard's dtype (fp32 master weights: fp32), or int8
+with ``"int8+grads"``. Every bucket's regather is counted, an upper bound: the runtime skips those
+backward never asks for (an embedding's backward does not read its weight) and may keep the last
+bucket from forward to backward (:mod:`fxpar.runtime.zero3`).
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ from fxpar.ir import meta
 from fxpar.ir.errors import FxparError
 from fxpar.ir.numeric import nbytes
 from fxpar.ir.ops import COLLECTIVE_OPS, collective_nodes, group_size
+from fxpar.ir.wire import int8_wire_bytes
 
 __all__ = ["COMMS", "collective_bytes", "collective_events", "collective_ring_bytes", "data_parallel_collectives",
-           "pipeline_transfers", "ring_bytes", "step_collectives"]
+           "payloads", "pipeline_transfers", "ring_bytes", "step_collectives"]
 
 # op -> (communication its forward does, communication its backward does); None: no communication.
 COMMS: dict[str, tuple[str | None, str | None]] = {
@@ -49,6 +58,8 @@ def _node_arg(node: torch.fx.Node, index: int, name: str):
 def _full_bytes(kind: str, node: torch.fx.Node) -> int:
     """Bytes of the full (unsharded) tensor the node's collective works on: the larger of its input
     and its output, whichever of the two ``meta["val"]`` holds."""
+    if "fxpar.collective_payload" in node.meta:  # a collective matmul (fxpar.ir.collective_matmul_ops.PAYLOAD)
+        return node.meta["fxpar.collective_payload"]
     src = node.args[0] if node.args else None
     in_b = nbytes(src.meta.get(meta.VAL)) if isinstance(src, torch.fx.Node) else None
     out_b = nbytes(node.meta.get(meta.VAL))
@@ -65,29 +76,68 @@ def _full_bytes(kind: str, node: torch.fx.Node) -> int:
     return out_b * n if kind in ("reduce_scatter", "scatter_slice") else out_b
 
 
+def _val(node) -> torch.Tensor | None:
+    v = node.meta.get(meta.VAL) if isinstance(node, torch.fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _full_numel(kind: str, node: torch.fx.Node, n: int) -> int:
+    """Entries of the full tensor a gather produces or a reduce-scatter consumes."""
+    src, out = _val(node.args[0] if node.args else None), _val(node)
+    if kind == "gather_params":
+        return src.numel() * n if src is not None else out.numel()
+    return src.numel() if src is not None else out.numel() * n
+
+
+def payloads(kind: str, node: torch.fx.Node, *, backward: bool = False) -> list[tuple[str, int]]:
+    """(communication, payload bytes on the wire) for each collective the node's forward (or backward)
+    runs, in :data:`COMMS` order; empty if it communicates nothing."""
+    comm = COMMS[kind][1 if backward else 0]
+    if comm is None:
+        return []
+    comms = comm.split("+")
+    n = group_size(_node_arg(node, 1, "group"))
+    if kind == "reduce_scatter" and _node_arg(node, 3, "comm_dtype") == "int8":
+        return [(c, int8_wire_bytes(_full_numel(kind, node, n), n)) for c in comms]
+    if kind != "gather_params":
+        return [(c, _full_bytes(kind, node)) for c in comms]
+    comm_dtype = _node_arg(node, 4, "comm_dtype")
+    gathered = int8_wire_bytes(_full_numel(kind, node, n), n) if comm_dtype else _full_bytes(kind, node)
+    if not backward:
+        return [(comms[0], gathered)]
+    shard = _val(node.args[0])
+    if comm_dtype == "int8+grads":
+        grads = int8_wire_bytes(_full_numel(kind, node, n), n)
+    else:  # the gradient is reduce-scattered in the shard's own dtype
+        grads = shard.numel() * n * shard.element_size() if shard is not None else _full_bytes(kind, node)
+    return [(comms[0], gathered), (comms[1], grads)]
+
+
 def collective_events(gm: torch.fx.GraphModule) -> list[dict]:
     """Every fxpar op node with what it communicates: ``{"node", "kind", "module", "forward", "backward",
-    "bytes"}`` where forward/backward name the collective each direction runs (None: none) and bytes
-    is the full tensor's payload (as :func:`collective_bytes` counts it)."""
+    "bytes", "forward_bytes", "backward_bytes"}`` where forward/backward name the collective(s) each
+    direction runs (None: none), bytes is the full tensor's payload and forward/backward_bytes the wire
+    bytes of each direction (as :func:`collective_bytes` counts them)."""
     out = []
     for kind, node in collective_nodes(gm):
         fwd, bwd = COMMS[kind]
         out.append({"node": node.name, "kind": kind, "module": node.meta.get(meta.MODULE, ""), "forward": fwd,
-                    "backward": bwd, "bytes": _full_bytes(kind, node) if fwd or bwd else 0})
+                    "backward": bwd, "bytes": _full_bytes(kind, node) if fwd or bwd else 0,
+                    "forward_bytes": sum(b for _, b in payloads(kind, node)),
+                    "backward_bytes": sum(b for _, b in payloads(kind, node, backward=True))})
     return out
 
 
 def collective_bytes(gm: torch.fx.GraphModule, *, backward: bool = False) -> dict[str, int]:
-    """Raw payload bytes per fxpar op, summed over its nodes: the size of the full (unsharded) tensor
+    """Wire payload bytes per fxpar op, summed over its nodes: the size of the full (unsharded) tensor
     each collective works on (the all-reduced tensor, the gathered output, the reduce-scattered input),
-    whatever the algorithm. Ops whose forward does not communicate (``identity_fwd_all_reduce_bwd``,
-    ``scatter_slice``) count 0. ``backward=True`` gives instead the payload of the collectives each
-    node's backward will run (for a forward graph whose backward autograd derives from the ops)."""
+    whatever the algorithm, in its wire format (int8 + scales where quantized). Ops whose forward does
+    not communicate (``identity_fwd_all_reduce_bwd``, ``scatter_slice``) count 0. ``backward=True`` gives
+    instead the payload of the collectives each node's backward will run (for a forward graph whose
+    backward autograd derives from the ops)."""
     out = dict.fromkeys(COLLECTIVE_OPS, 0)
     for kind, node in collective_nodes(gm):
-        comm = COMMS[kind][1 if backward else 0]
-        if comm is not None:
-            out[kind] += _full_bytes(kind, node) * len(comm.split("+"))
+        out[kind] += sum(b for _, b in payloads(kind, node, backward=backward))
     return out
 
 
@@ -107,10 +157,8 @@ def collective_ring_bytes(gm: torch.fx.GraphModule, *, backward: bool = False) -
     using each node's group size (:func:`~fxpar.ir.ops.group_size` of its group name)."""
     out = dict.fromkeys(COLLECTIVE_OPS, 0)
     for kind, node in collective_nodes(gm):
-        comm = COMMS[kind][1 if backward else 0]
-        if comm is not None:
-            n = group_size(_node_arg(node, 1, "group"))
-            out[kind] += sum(ring_bytes(c, _full_bytes(kind, node), n) for c in comm.split("+"))
+        n = group_size(_node_arg(node, 1, "group"))
+        out[kind] += sum(ring_bytes(c, b, n) for c, b in payloads(kind, node, backward=backward))
     return out
 
 
@@ -130,9 +178,9 @@ def step_collectives(gms, microbatches: int) -> list[dict]:
         for kind, node in collective_nodes(gm):
             group = _node_arg(node, 1, "group")
             axis, n = str(group).split(":")[0], group_size(group)
-            for what, comm in zip(("forward", "backward"), COMMS[kind]):
-                for c in (comm or "").split("+") if comm else ():
-                    payload = _full_bytes(kind, node) * microbatches
+            for what in ("forward", "backward"):
+                for c, b in payloads(kind, node, backward=what == "backward"):
+                    payload = b * microbatches
                     row = rows.setdefault((axis, c, what), _row(axis, c, what, 0, 0))
                     row["payload"] += payload
                     row["sent"] += ring_bytes(c, payload, n)

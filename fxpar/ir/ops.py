@@ -28,6 +28,8 @@ Design, in short:
   installs its ``group_size`` here once, when imported (:func:`set_group_size_resolver`; one function
   set once, never swapped). Before that, such a name has the world's size for ``"world"``, else one
   rank while torch.distributed is not initialised, as the registry itself would say.
+* Quantized communication (ZeRO++, ``Plan(comm_dtype="int8")``) is a ``comm_dtype`` argument of
+  ``gather_params`` and ``reduce_scatter``, not an op of its own: :mod:`fxpar.ir.wire`.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ import torch.distributed as dist
 import torch.fx
 
 from fxpar.ir.errors import CollectiveError, FxparError
+from fxpar.ir.wire import GATHER_COMM_DTYPES, REDUCE_SCATTER_COMM_DTYPES, check_comm_dtype
 
 __all__ = [
     "COLLECTIVE_OPS",
+    "FUSED_COLLECTIVES",
     "REDUCE_OPS",
     "all_gather",
     "all_gather_rs_bwd",
@@ -73,6 +77,9 @@ COLLECTIVE_OPS = (
 )
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
+# fused kernels that run one of these ops inside (fxpar.ir.collective_matmul_ops): counted as that op
+FUSED_COLLECTIVES = {"fxpar_kernels::all_gather_linear": "all_gather_rs_bwd",
+                     "fxpar_kernels::linear_reduce_scatter": "reduce_scatter"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -205,11 +212,12 @@ def all_gather_rs_bwd(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
 
 
 @torch.library.custom_op("fxpar::gather_params", mutates_args=())
-def gather_params(x: torch.Tensor, group: str, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+def gather_params(x: torch.Tensor, group: str, dim: int, dtype: torch.dtype | None = None,
+                  comm_dtype: str | None = None) -> torch.Tensor:
     """ZeRO-3: this rank's shard of a flat parameter bucket, gathered to the full bucket along ``dim``
-    (cast to ``dtype`` first when given: mixed precision communicates and computes in bf16).
-    Backward: reduce-scatter of the gradient in the shard's own dtype (fp32 master weights: fp32
-    reductions), each rank keeping the summed gradient of its shard."""
+    (cast to ``dtype`` first when given: mixed precision communicates and computes in bf16), sent in
+    the wire format ``comm_dtype`` (:mod:`fxpar.ir.wire`). Backward: reduce-scatter of the gradient in
+    the shard's own dtype (fp32 master weights: fp32 reductions), each rank keeping its shard's sum."""
     return _no_kernel("gather_params", group)
 
 
@@ -218,9 +226,9 @@ def gather_params_op():
 
 
 @torch.library.custom_op("fxpar::reduce_scatter", mutates_args=())
-def reduce_scatter(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, group: str, dim: int, comm_dtype: str | None = None) -> torch.Tensor:
     """Sum ``x`` over ``group`` and keep this rank's slice along ``dim`` (dim shrinks ``group size``
-    times). Backward: all-gather of the gradient along ``dim``."""
+    times), sent in the wire format ``comm_dtype`` (:mod:`fxpar.ir.wire`). Backward: all-gather."""
     return _no_kernel("reduce_scatter", group)
 
 
@@ -273,7 +281,8 @@ all_gather_rs_bwd.register_fake(_gather_fake("all_gather_rs_bwd"))
 
 
 @gather_params.register_fake
-def _gather_params_fake(x, group, dim, dtype=None):
+def _gather_params_fake(x, group, dim, dtype=None, comm_dtype=None):
+    check_comm_dtype("gather_params", group, comm_dtype, GATHER_COMM_DTYPES)
     out = _gather_fake("gather_params")(x, group, dim)
     return out if dtype is None else out.to(dtype)
 
@@ -285,7 +294,12 @@ def _scatter_fake(op: str):
     return fake
 
 
-reduce_scatter.register_fake(_scatter_fake("reduce_scatter"))
+@reduce_scatter.register_fake
+def _reduce_scatter_fake(x, group, dim, comm_dtype=None):
+    check_comm_dtype("reduce_scatter", group, comm_dtype, REDUCE_SCATTER_COMM_DTYPES)
+    return _scatter_fake("reduce_scatter")(x, group, dim)
+
+
 scatter_slice.register_fake(_scatter_fake("scatter_slice"))
 
 
@@ -320,18 +334,20 @@ def _identity_bwd(ctx, grad):
     return all_reduce(grad, ctx.group, "sum"), None
 
 
-def _backward_with(fn):
+def _backward_with(fn, extra: int = 0):  # extra: optional arguments after (x, group, dim)
     def backward(ctx, grad):
-        return fn(grad, ctx.group, ctx.dim), None, None
+        return fn(grad, ctx.group, ctx.dim), None, None, *(None,) * extra
     return backward
 
 
 def _gather_params_save(ctx, inputs, output):
     ctx.group, ctx.dim, ctx.dtype = inputs[1], inputs[2], inputs[0].dtype
+    ctx.quantized = len(inputs) > 4 and inputs[4] == "int8+grads"
 
 
-def _gather_params_bwd(ctx, grad):
-    return reduce_scatter(grad.to(ctx.dtype), ctx.group, ctx.dim), None, None, None
+def _gather_params_bwd(ctx, grad):  # 3 arguments unless quantized: the node every other pass knows
+    args = (grad.to(ctx.dtype), ctx.group, ctx.dim) + (("int8",) if ctx.quantized else ())
+    return reduce_scatter(*args), None, None, None, None
 
 
 all_reduce.register_autograd(_all_reduce_bwd, setup_context=_save_all_reduce)
@@ -339,7 +355,7 @@ identity_fwd_all_reduce_bwd.register_autograd(_identity_bwd, setup_context=_iden
 all_gather.register_autograd(_backward_with(scatter_slice), setup_context=_save_group_dim)
 all_gather_rs_bwd.register_autograd(_backward_with(reduce_scatter), setup_context=_save_group_dim)
 gather_params.register_autograd(_gather_params_bwd, setup_context=_gather_params_save)
-reduce_scatter.register_autograd(_backward_with(all_gather), setup_context=_save_group_dim)
+reduce_scatter.register_autograd(_backward_with(all_gather, 1), setup_context=_save_group_dim)
 scatter_slice.register_autograd(_backward_with(all_gather), setup_context=_save_group_dim)
 
 
@@ -366,7 +382,8 @@ def collective_nodes(gm) -> Iterator[tuple[str, torch.fx.Node]]:
     for m in modules:
         graph = m if isinstance(m, torch.fx.Graph) else m.graph
         for node in graph.nodes:
-            kind = collective_kind(node)
+            fused = getattr(getattr(node.target, "overloadpacket", None), "_qualified_op_name", "")
+            kind = collective_kind(node) or FUSED_COLLECTIVES.get(fused)
             if kind is not None:
                 yield kind, node
 

@@ -1,5 +1,5 @@
 """Collectives of a tensor-parallel program, per layer: what each layer communicates in forward and
-in backward, and how many bytes (the full tensor each collective works on)."""
+in backward, and how many bytes (the full tensor each collective works on, in its wire format)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def collective_rows(gm: torch.fx.GraphModule) -> list[dict]:
         for side in ("forward", "backward"):
             if e[side]:
                 row[side][e[side]] += 1
-                row[f"{side}_bytes"] += e["bytes"]
+                row[f"{side}_bytes"] += e[f"{side}_bytes"]  # wire bytes: int8 where quantized
     return [{"layer": layer, "forward": dict(r["forward"]), "backward": dict(r["backward"]),
              "forward_bytes": r["forward_bytes"], "backward_bytes": r["backward_bytes"]}
             for layer, r in rows.items()]

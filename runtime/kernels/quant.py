@@ -17,6 +17,18 @@ Error bound: rounding to the nearest code is off by at most half a step, so per 
 units in the last place of ``absmax_block``), before any cast of ``deq`` to a narrower output dtype.
 Bytes on the wire: ``1 + 4 / block`` per entry against 2 for bf16, 0.508x at block 256.
 
+Where fxpar uses it (``Plan(comm_dtype="int8")``, kernels in :mod:`fxpar.runtime.collectives`):
+
+* weight gathers (ZeRO++ qwZ): every entry of the gathered bucket is within the bound above of the fp32
+  master weight, then rounded once to the compute dtype (bf16: a further ``|x| * 2**-9``). A rank's
+  forward and its backward regather dequantize the same codes, so both see the same weights.
+* gradient reduce-scatter (qgZ, ``quantize_grads``): rank ``r`` quantizes the slice of its gradient that
+  rank ``s`` keeps, blocks within that slice; rank ``s`` sums the ``n`` slices in fp32, its own one
+  exact. Per entry, ``|sum - exact sum| <= sum over the n - 1 other ranks of absmax_block(r) / 254``
+  (plus fp32 rounding of the sum), i.e. at most ``(n - 1) / 254`` of the largest gradient entry in the
+  block. The error is unbiased only on average (round-to-nearest), so it is a bounded per-step noise on
+  the gradient, not an accumulated drift of the weights, which stay fp32 and exact on the owning rank.
+
 The torch path is plain tensor math on the packed fp32 shard; the Triton path packs (the pointer table of
 ``fxpar.runtime.kernels.buckets``), casts and quantizes one block per program in one launch, and its
 copy-out dequantizes while it scatters. Backend choice as in ``buckets``: CUDA or ``backend="triton"``
@@ -31,6 +43,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fxpar.ir.wire import int8_wire_bytes
 from fxpar.runtime.kernels import buckets
 from fxpar.runtime.kernels.buckets import shard_segments, use_triton
 
@@ -54,26 +67,28 @@ def _blocks(shard_numel: int, block: int) -> int:
 def wire_bytes(numel: int, dp: int, block: int) -> tuple[int, int]:
     """Bytes of one gathered bucket of ``numel`` entries over ``dp`` ranks: (int8 codes + fp32 scales,
     bf16 values), padding included."""
-    shard = math.ceil(numel / dp)
-    return dp * (shard + 4 * _blocks(shard, block)), dp * shard * 2
+    return int8_wire_bytes(numel, dp, block), dp * math.ceil(numel / dp) * 2
 
 
 # ---- torch paths ------------------------------------------------------------------------------------
 
 def _quantize_torch(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.numel()
-    xb = F.pad(x, (0, _blocks(n, block) * block - n)).view(-1, block)
+    pad = _blocks(n, block) * block - n
+    xb = (F.pad(x, (0, pad)) if pad else x).view(-1, block)
     scale = xb.abs().amax(dim=1) / float(QMAX)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(xb / safe[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    q = torch.div(xb, safe[:, None]).round_().clamp_(-QMAX, QMAX).to(torch.int8)  # in place: one buffer
     return q.view(-1)[:n], scale
 
 
 def _dequantize_torch(q: torch.Tensor, scales: torch.Tensor, dp: int, block: int) -> torch.Tensor:
     shard = q.numel() // dp
     nb = _blocks(shard, block)
-    qb = F.pad(q.view(dp, shard), (0, nb * block - shard)).view(dp, nb, block).float()
-    return (qb * scales.view(dp, nb, 1)).view(dp, nb * block)[:, :shard].reshape(-1)
+    pad = nb * block - shard
+    qb = (F.pad(q.view(dp, shard), (0, pad)) if pad else q).view(dp, nb, block)
+    deq = qb.to(torch.float32).mul_(scales.view(dp, nb, 1)).view(dp, nb * block)
+    return (deq[:, :shard] if pad else deq).reshape(-1)
 
 
 # ---- Triton path ------------------------------------------------------------------------------------
@@ -125,6 +140,10 @@ def quantize_shard(tensors: list[torch.Tensor], dp: int, rank: int, block: int =
         scales = torch.empty(_blocks(shard, block), dtype=torch.float32, device=device)
         _quantize_triton(list(tensors), segs, q, scales, block)
         return q, scales
+    if len(segs) == 1 and segs[0][3] == shard:  # the shard is one piece of one tensor, no padding
+        i, lo, _, n = segs[0]
+        if tensors[i].dtype == torch.float32 and tensors[i].is_contiguous():
+            return _quantize_torch(tensors[i].view(-1)[lo:lo + n], block)  # nothing to pack: no copy
     x = torch.empty(shard, dtype=torch.float32, device=device)
     buckets._pack_torch(list(tensors), segs, x)
     return _quantize_torch(x, block)
@@ -137,17 +156,22 @@ def _(tensors, dp, rank, block=256, backend="auto"):
     return t.new_empty(shard, dtype=torch.int8), t.new_empty(_blocks(shard, block), dtype=torch.float32)
 
 
+def _check_codes(q: torch.Tensor, scales: torch.Tensor, dp: int, block: int) -> None:
+    _check_block(block)
+    shard = q.numel() // dp
+    if q.numel() != shard * dp or scales.numel() != dp * _blocks(shard, block):
+        raise ValueError(f"dequantize_copy_out: {q.numel()} codes and {scales.numel()} scales do not make "
+                         f"{dp} shards of blocks of {block}")
+
+
 @torch.library.custom_op("fxpar_kernels::dequantize_copy_out", mutates_args=("outs",))
 def dequantize_copy_out(q: torch.Tensor, scales: torch.Tensor, dp: int, block: int, outs: list[torch.Tensor],
                         backend: str = "auto") -> None:
     """The gathered codes ``q`` (``dp`` shards back to back) and ``scales`` dequantized into the bucket's
     tensors ``outs``, in order, each cast to its own dtype."""
-    _check_block(block)
+    _check_codes(q, scales, dp, block)
     buckets._check_bucket(outs, "dequantize_copy_out")
     shard = q.numel() // dp
-    if q.numel() != shard * dp or scales.numel() != dp * _blocks(shard, block):
-        raise ValueError(f"dequantize_copy_out: {q.numel()} codes and {scales.numel()} scales do not make "
-                         f"{dp} shards of blocks of {block}")
     if sum(o.numel() for o in outs) > q.numel():
         raise ValueError(f"dequantize_copy_out: {q.numel()} codes cannot fill tensors of "
                          f"{sum(o.numel() for o in outs)}")
@@ -165,6 +189,9 @@ def _(q, scales, dp, block, outs, backend="auto"):
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dp: int, block: int = 256,
                dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
     """The whole gathered flat buffer (``q.numel()`` entries, padding included) dequantized to ``dtype``."""
+    if not use_triton(backend, q.device):  # one cast of the fp32 result, instead of a copy-out into a buffer
+        _check_codes(q, scales, dp, block)
+        return _dequantize_torch(q, scales, dp, block).to(dtype)
     out = torch.empty(q.numel(), dtype=dtype, device=q.device)
     dequantize_copy_out(q, scales, dp, block, [out], backend)
     return out

@@ -74,6 +74,20 @@ def test_quantize_shard_per_rank(dp, block):
         assert torch.equal(q, rq) and torch.equal(s, rs), (dp, rank)
 
 
+def test_quantize_shard_of_one_tensor_without_packing():
+    """A shard that is one piece of one contiguous fp32 tensor is quantized in place of a packed copy
+    (ZeRO-3's flat shards, the gradient slices of the quantized reduce-scatter): same codes and scales."""
+    x = torch.randn(3, 700, generator=torch.Generator().manual_seed(12))
+    for dp, rank in ((1, 0), (3, 1), (3, 2)):
+        k = x.numel() // dp
+        q, s = quantize_shard([x], dp, rank, 256, backend="torch")
+        rq, rs = reference_quant(x.view(-1)[rank * k:(rank + 1) * k], 256)
+        assert torch.equal(q, rq) and torch.equal(s, rs)
+        qt, st = quantize_shard([x.t()], dp, rank, 256, backend="torch")  # not contiguous: packed
+        rq, rs = reference_quant(x.t().reshape(-1)[rank * k:(rank + 1) * k], 256)
+        assert torch.equal(qt, rq) and torch.equal(st, rs)
+
+
 @pytest.mark.parametrize("kind", ["normal", "outliers", "tiny", "zeros"])
 def test_error_bound(kind):
     g = torch.Generator().manual_seed(11)
@@ -224,11 +238,10 @@ def test_two_rank_quantized_gather(pool2):
         assert abs(ratio - 0.5) <= 0.03 * 0.5, ratio
 
 
-def _zero3_gather(flag):
-    """ZeRO-3's gather_params op on a bucket shard, with the int8 flag of fxpar.runtime.collectives set
-    (or not): the gathered bucket, and the shard's gradient through the op's reduce-scatter."""
-    import os
-
+def _zero3_gather(comm_dtype):
+    """ZeRO-3's gather_params op on a bucket shard with ``comm_dtype`` (None or "int8"): the gathered
+    bucket, the shard's gradient through the op's reduce-scatter, and the gathered bytes as the all-gather
+    call sees them."""
     import torch.distributed as dist
 
     from fxpar.ir.ops import gather_params
@@ -238,32 +251,31 @@ def _zero3_gather(flag):
     ts = H.bucket([(40, 30), (30,), (300,)], seed=16)
     shard = pack_shard(ts, dp, rank, torch.float32).requires_grad_()
     register_group("zq", dist.group.WORLD, size=dp)
-    os.environ[collectives.ZERO3_COMM_DTYPE_ENV] = flag
     gathered, launch = [], collectives._all_gather_single
 
-    def counting(out, inp, **kw):  # the gathered payloads, as the all-gather call sees them
+    def counting(out, inp, **kw):
         gathered.append(out.numel() * out.element_size())
         return launch(out, inp, **kw)
     collectives._all_gather_single = counting
     try:
-        full = gather_params(shard, "zq", 0, torch.bfloat16)
+        full = gather_params(shard, "zq", 0, torch.bfloat16, comm_dtype)
     finally:
         collectives._all_gather_single = launch
     try:
         (full.float() * torch.arange(full.numel())).sum().backward()
     finally:
-        os.environ.pop(collectives.ZERO3_COMM_DTYPE_ENV)
         unregister_group("zq")
-    return full, quantize_dequantize(ts, dp, 256, torch.bfloat16), shard.grad, sum(gathered)
+    return full, quantize_dequantize(ts, dp, 256, torch.bfloat16), shard.grad, gathered
 
 
-def test_zero3_gather_params_int8_flag(pool2):
+def test_zero3_gather_params_int8(pool2):
     (on, expected, grad_on, bytes_on), _ = pool2.run(_zero3_gather, "int8", timeout=60)
-    (off, _, grad_off, bytes_off), _ = pool2.run(_zero3_gather, "", timeout=60)
+    (off, _, grad_off, bytes_off), _ = pool2.run(_zero3_gather, None, timeout=60)
     assert torch.equal(on, expected)  # the quantized gather is what quantize -> dequantize gives
     assert not torch.equal(on, off) and (on.float() - off.float()).abs().max() < 0.05
-    assert torch.equal(grad_on, grad_off)  # gradients are reduce-scattered unquantized
-    assert abs(bytes_on / bytes_off - 0.5) <= 0.03 * 0.5, (bytes_on, bytes_off)  # int8 + scales vs bf16
+    assert torch.equal(grad_on, grad_off)  # "int8" alone: gradients are reduce-scattered unquantized
+    assert len(bytes_on) == len(bytes_off) == 1  # codes and scales in one all-gather
+    assert abs(bytes_on[0] / bytes_off[0] - 0.5) <= 0.03 * 0.5, (bytes_on, bytes_off)  # int8 + scales vs bf16
 
 
 if __name__ == "__main__":
