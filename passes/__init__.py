@@ -17,6 +17,7 @@ import torch
 
 from fxpar.ir.program import Program
 from fxpar.ir.stage import PipelineProgram
+from fxpar.passes.collective_matmul import collective_matmul
 from fxpar.passes.drop_dtype_asserts import drop_dtype_asserts
 from fxpar.passes.fused_loss import fuse_loss
 from fxpar.passes.materialize_weights import materialize_weights
@@ -78,6 +79,10 @@ STAGE_PASSES = (  # StageSpec -> StageSpec, only the stages this rank runs, pass
     Pass("zero3", _zero3, when=lambda c: c.plan.zero == 3),  # after TP and split: shards what this rank holds
     Pass("drop_dtype_asserts", drop_dtype_asserts,
          when=lambda c: c.plan.mixed_precision == "bf16"),  # bf16 autocast makes the traced fp32 asserts false
+    # after TP (its sequence-parallel gathers and reduce-scatters) and zero3 (its weight views), before
+    # recompute (which outlines layers): chunks each gather -> linears and linear -> reduce-scatter
+    Pass("collective_matmul", collective_matmul,
+         when=lambda c: c.plan.collective_matmul > 1 and c.mesh.tp > 1),
     # last: it outlines each layer into a submodule no other pass looks into; after materialize_weights
     # (weights land on the stage's get_attr targets) and zero3 (each bucket's gather moves into the one
     # layer reading it, so backward regathers it by recomputing instead of holding the gathered bucket)

@@ -79,6 +79,8 @@ def saved_op(func) -> bool:
     ns, _, op = name.partition("::")
     if "scaled_dot_product" in op or op.startswith(("_flash_attention", "_efficient_attention")):
         return True
+    if ns == "fxpar_kernels":  # the collective matmuls (a collective and matmuls in one op) are saved too
+        return op.split(".")[0] in ("all_gather_linear", "linear_reduce_scatter")
     return ns == "fxpar" and op.split(".")[0] not in _NOT_SAVED_COLLECTIVES
 
 
