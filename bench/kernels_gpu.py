@@ -11,6 +11,11 @@
 * Fused linear + cross-entropy (``fxpar.runtime.kernels.cross_entropy``, skipped if absent): peak memory
   and time of loss + backward against ``F.cross_entropy(h @ W.T)``, bf16, one rank.
 
+* The emitted program: one training step (forward, backward, AdamW) of a Llama-shaped zoo model
+  (``--layers``, ``--model-hidden``, batch ``--batch`` x ``--seq``, bf16 autocast) compiled by fxpar on
+  one rank, eager (``Plan(compile=False)``) against Inductor (``Plan(compile=True)``), with and without
+  ``fused_loss``; compile time is left out (warm-up steps).
+
 Each kernel runs its Triton path (``backend="triton"``) and its torch path (``backend="torch"``) on the
 same tensors; the table gives the median time over ``--iters`` runs (CUDA events) and the ratio. On a
 machine without a GPU it says so and exits 0: the Triton interpreter on CPU proves numerics, not speed.
@@ -120,6 +125,30 @@ def cross_entropy_rows(args) -> list[list[str]] | None:
     return rows
 
 
+def step_rows(args) -> list[list[str]]:
+    """Median step time of eager and compiled fxpar on one GPU (see the module docstring)."""
+    import fxpar
+    from fxpar import zoo
+
+    cfg = zoo.tiny_config("llama", num_hidden_layers=args.layers, hidden_size=args.model_hidden,
+                          intermediate_size=args.model_hidden * 8 // 3 // 64 * 64, num_attention_heads=16,
+                          num_key_value_heads=4, vocab_size=32000, max_position_embeddings=args.seq)
+    batch = zoo.example_inputs("llama", cfg, batch=args.batch, seq=args.seq, device="cuda")
+    rows, base = [], None
+    for plan in ("compile=0,mixed_precision=bf16", "compile=1,mixed_precision=bf16",
+                 "compile=0,mixed_precision=bf16,fused_loss=1", "compile=1,mixed_precision=bf16,fused_loss=1"):
+        model = zoo.model_class("llama", cfg)(cfg).cuda().train()
+        compiled = fxpar.compile(model, plan, example_kwargs=batch, device="cuda",
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+        torch.cuda.reset_peak_memory_stats()
+        ms = timed(lambda c=compiled: c.step(**batch), args.iters, args.warmup)
+        base = base or ms
+        rows.append([plan, f"{ms:.1f}", f"{ms / base:.3f}", f"{torch.cuda.max_memory_allocated() / 2**30:.2f}"])
+        del compiled, model
+        torch.cuda.empty_cache()
+    return rows
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -133,6 +162,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--model-hidden", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels_gpu.py needs a CUDA GPU (the Triton interpreter on CPU checks numerics, not "
@@ -148,6 +181,8 @@ def main(argv=None) -> int:
         print()
         print(table(["shape", "fused peak MiB", "fused ms", "unfused peak MiB", "unfused ms",
                      "memory unfused/fused"], ce))
+    print()
+    print(table(["fxpar plan, one rank", "step ms", "vs eager", "peak GiB"], step_rows(args)))
     return 0
 
 
