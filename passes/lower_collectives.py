@@ -8,8 +8,8 @@ local ops where no communication is needed).
 
 Why: fxpar's own ops wait inside their kernels, so to a compiler each is an opaque call that can be
 neither moved nor merged. Functional collectives return at once and ``wait_tensor`` marks where the
-result is needed; with the wait just before the result's first use, compute that does not depend on it
-runs while the collective is in flight (gloo and NCCL progress asynchronously), and Inductor's
+result is needed; with the wait just before the result's first use (views of the result, which compute
+nothing, move down with it), compute that does not depend on it runs while the collective is in flight (gloo and NCCL progress asynchronously), and Inductor's
 reordering and bucketing passes recognise them. The IR keeps fxpar's ops everywhere else (inspection
 and the byte counters read them): this runs last, on a copy of a stage's graph inside torch.compile
 (``fxpar.runtime.compile`` installs it as Inductor's ``post_grad_custom_pre_pass``, where it sees the
@@ -29,14 +29,15 @@ Per op (``n`` the group size, ``r`` this rank's index in it):
 * ``gather_params`` (ZeRO-3's flat bucket): cast to its compute dtype, ``all_gather_into_tensor``.
 * ``scatter_slice``: this rank's slice (no communication).
 
-A group of one rank needs no communication: its ops become copies. ``gather_params`` stays as it is
-while ``FXPAR_ZERO3_COMM_DTYPE=int8`` selects the quantised gathers (their kernels are not lowered yet).
+A group of one rank needs no communication: its ops become copies. A ``gather_params`` with a
+``comm_dtype`` (its 5th argument, ``"int8"``: quantised gathers) stays as it is and runs its own kernel
+(quantise, gather, dequantise), opaque to Inductor; so does a ``reduce_scatter`` with ``comm_dtype``
+``"int8"`` (the gradient of an ``"int8+grads"`` gather: an all-to-all of int8 blocks).
 """
 
 from __future__ import annotations
 
 import operator
-import os
 from collections.abc import Callable
 
 import torch
@@ -52,7 +53,6 @@ Resolver = Callable[[str], "GroupRef | None"]  # None: a one-rank group (no comm
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-_ZERO3_COMM_DTYPE_ENV = "FXPAR_ZERO3_COMM_DTYPE"  # read by the eager gather_params kernel as well
 
 
 def _funcol():
@@ -68,7 +68,7 @@ def lower_collectives(graph: torch.fx.Graph, resolve: Resolver) -> int:
         kind = collective_kind(node)
         if kind is None:
             continue
-        if kind == "gather_params" and os.environ.get(_ZERO3_COMM_DTYPE_ENV) == "int8":
+        if _comm_dtype(node, kind) is not None:  # a quantised wire format: its own kernel, opaque
             continue
         _Lowering(graph, node, order).run(kind, resolve)
         lowered += 1
@@ -77,17 +77,40 @@ def lower_collectives(graph: torch.fx.Graph, resolve: Resolver) -> int:
     return lowered
 
 
+def _comm_dtype(node: torch.fx.Node, kind: str):
+    """The ``comm_dtype`` of a ``gather_params`` (5th argument) or ``reduce_scatter`` (4th: the
+    gradient of a gather with ``"int8+grads"``) node; None for every other op."""
+    at = {"gather_params": 4, "reduce_scatter": 3}.get(kind)
+    if at is None:
+        return None
+    return node.args[at] if len(node.args) > at else node.kwargs.get("comm_dtype")
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return getattr(node.target, "is_view", False) or node.target is operator.getitem
+
+
 class _Lowering:
     """Replaces one fxpar node: the collective where the node stood, the wait (and what follows it)
-    just before the result's first user."""
+    just before the result's first user that is not a view. The views of the result (ZeRO-3's parameter
+    slices of a gathered bucket stand right after the gather) move down after the wait with it: they
+    compute nothing, and a wait placed before them would come before any compute could overlap."""
 
     def __init__(self, graph: torch.fx.Graph, node: torch.fx.Node, order: dict[torch.fx.Node, int]):
         self.graph, self.node = graph, node
         self.fake_mode = torch._guards.detect_fake_mode(
             [a.meta.get("val") for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)])
-        users = sorted(node.users, key=lambda u: order.get(u, len(order)))
+        self.views, todo = set(), [node]
+        while todo:  # the views of the result, and their views
+            for u in todo.pop().users:
+                if _is_view(u) and u not in self.views:
+                    self.views.add(u)
+                    todo.append(u)
+        position = lambda u: order.get(u, len(order))  # noqa: E731
+        self.views = sorted(self.views, key=position)
+        users = sorted({u for n in (node, *self.views) for u in n.users} - set(self.views), key=position)
         self.first_user = users[0] if users else node.next
-        self.to_output = any(u.op == "output" for u in users)
+        self.to_output = any(u.op == "output" for u in node.users)
 
     def call(self, target, *args, **kwargs) -> torch.fx.Node:
         """A new node ``target(*args, **kwargs)`` at the current insertion point, with its fake value."""
@@ -171,3 +194,6 @@ class _Lowering:
     def replace(self, new: torch.fx.Node) -> None:
         self.node.replace_all_uses_with(new)
         self.graph.erase_node(self.node)
+        if self.views and self.first_user.prev is new:  # the wait went down: its views follow it
+            for view in self.views:
+                self.first_user.prepend(view)

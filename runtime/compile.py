@@ -12,6 +12,19 @@ pipeline runtime calls instead of the GraphModule.
   also covers the backward graph, compiled later): the lowering as ``post_grad_custom_pre_pass``, so it
   sees the forward and the backward graphs AOTAutograd made, after their ``torch.ops.fxpar.*`` nodes
   were traced through the ops' autograd formulas; comm/compute reordering on; one compile thread.
+* ZeRO-3 regathers in backward: :func:`mark_regather`, Inductor's ``joint_custom_pre_pass``, marks each
+  ``gather_params`` and the views of its bucket must-recompute in the joint graph (SimpleFSDP's way), so
+  the partitioner saves the shard, not the gathered bucket, and backward gathers it again. The eager
+  path does the same with saved-tensor hooks (``fxpar.runtime.zero3.Zero3Regather``), which a compiled
+  graph bypasses.
+* Bucketing: Inductor merges ZeRO-3's gathers (all-gathers of a graph input) and gradient
+  reduce-scatters (whose result only flows to outputs) into launches of up to
+  :data:`ZERO3_BUCKET_CAP_MB` per group and dtype ("only_fsdp": TP's collectives of activations inside a
+  stage are left alone; a sequence-parallel gather of a stage's input qualifies too). The merged gather
+  packs its inputs with one generated copy-in kernel.
+* Async TP (CUDA only, untested: no GPU here): a stage with sequence-parallel collectives gets
+  Inductor's micro-pipeline TP pass and symmetric memory for its TP groups (:func:`enable_async_tp`).
+  On CPU it is off: the pass needs NCCL and its fused ops have no CPU kernels.
 * The backward graph is compiled together with the forward (not lazily at the first backward), so a
   graph that cannot compile fails at its first call, before any of its collectives ran, and falls back
   to the eager GraphModule for good, with one warning naming the stage and the reason. Errors of a
@@ -33,14 +46,17 @@ import torch
 import torch.distributed as dist
 
 from fxpar.ir.errors import FxparError
+from fxpar.ir.ops import collective_kind
 from fxpar.runtime.groups import registered_groups, resolve_group
 
-__all__ = ["CompiledStage", "compile_enabled", "compile_stage", "funcol_group", "inductor_profile"]
+__all__ = ["CompiledStage", "compile_enabled", "compile_stage", "enable_async_tp", "funcol_group", "inductor_profile",
+           "mark_regather", "zero3_bucket_cap_mb"]
 
 # Inductor's comm/compute overlap passes that run on every backend (the CPU included): start each
 # collective as early as its inputs allow, sink each wait to its first use, and schedule compute that
 # does not depend on a collective between the two.
 OVERLAP_PASSES = ["reorder_compute_for_overlap", "sink_waits", "raise_comms"]
+ZERO3_BUCKET_CAP_MB = 25.0  # what Inductor may merge ZeRO-3's gathers into (fxpar's default bucket_mb)
 
 
 def compile_enabled(setting: bool | None, device: torch.device) -> bool:
@@ -88,17 +104,95 @@ def _lower_pass(lower: Callable):
     return _LowerCollectives(lower)
 
 
-def inductor_profile(lower: Callable | None) -> dict:
+def mark_regather(graph: torch.fx.Graph) -> int:
+    """ZeRO-3 in a compiled graph: mark every ``gather_params`` of the joint forward-backward graph, and
+    the views of its bucket (the parameters' slices, reshapes, transposes), as must-recompute, so
+    AOTAutograd's min-cut partitioner gathers the bucket again in backward instead of saving it (or a
+    view of it) from forward to backward. This is what :class:`fxpar.runtime.zero3.Zero3Regather` does
+    for the eager graph through saved-tensor hooks, which see nothing inside a compiled graph. The views
+    are marked too because a saved view keeps the whole gathered bucket alive.
+
+    ``ac_graph_id`` is torch's checkpoint region id: the partitioner saves a recomputed node whose user
+    is recomputed in a region of a higher id. A node already in a region (``Plan.recompute`` moved the
+    gather into its layer) keeps its region's; the others get ids above every region's, so a layer
+    reading the bucket does not turn the gather into a saved value. Returns how many gathers were marked."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    regions = [n.meta["ac_graph_id"] for n in graph.nodes if isinstance(n.meta.get("ac_graph_id"), int)]
+    next_id = max(regions, default=0) + 1
+    marked = 0
+    for node in graph.nodes:
+        if collective_kind(node) != "gather_params":
+            continue
+        marked += 1
+        todo, region = [node], node.meta.get("ac_graph_id", next_id)
+        next_id += 1
+        while todo:
+            n = todo.pop()
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            n.meta.setdefault("ac_graph_id", region)
+            todo.extend(u for u in n.users if getattr(u.target, "is_view", False))
+    return marked
+
+
+def _regather_pass():
+    """:func:`mark_regather` as Inductor's ``joint_custom_pre_pass`` (it runs on the joint graph, before
+    the partitioner); its ``uuid`` is the function's source."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Regather(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            mark_regather(graph)
+
+        def uuid(self) -> bytes:
+            return hashlib.sha256(inspect.getsource(mark_regather).encode()).digest()
+
+    return _Regather()
+
+
+def zero3_bucket_cap_mb(bucket_index: int) -> float:
+    """Inductor's cap on a merged all-gather / reduce-scatter bucket (in MiB, whatever its index): fxpar's
+    own default ZeRO-3 bucket size. Inductor's default (2 GB) merges every gather of a graph into one,
+    so the whole model's parameters would be live at once: the memory ZeRO-3 exists to save."""
+    return ZERO3_BUCKET_CAP_MB
+
+
+def inductor_profile(lower: Callable | None, *, async_tp: bool = False) -> dict:
     """Inductor's configuration for a stage, each entry explained above (``lower``: None keeps fxpar's
-    ops opaque, as they are in the IR)."""
+    ops opaque, as they are in the IR; ``async_tp``: micro-pipeline TP, CUDA only)."""
     profile = {
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": list(OVERLAP_PASSES),
         "compile_threads": 1,  # the CPU boxes have 2 cores, shared with the ranks themselves
+        "joint_custom_pre_pass": _regather_pass(),
+        # "only_fsdp": gathers of one graph input (a ZeRO-3 shard, cast or not) and reduce-scatters whose
+        # result only flows to graph outputs (its gradient); TP's gathers of activations are left alone
+        "bucket_all_gathers_fx": "only_fsdp",
+        "bucket_reduce_scatters_fx": "only_fsdp",
+        "bucket_all_gathers_fx_bucket_size_determinator": zero3_bucket_cap_mb,
+        "bucket_reduce_scatters_fx_bucket_size_determinator": zero3_bucket_cap_mb,
     }
+    if async_tp:
+        profile["_micro_pipeline_tp"] = True
     if lower is not None:
         profile["post_grad_custom_pre_pass"] = _lower_pass(lower)
     return profile
+
+
+def enable_async_tp(gm: torch.fx.GraphModule, device: torch.device | None) -> bool:
+    """On CUDA, for a stage with sequence-parallel collectives (``all_gather_rs_bwd``, ``reduce_scatter``):
+    symmetric memory for their groups, which Inductor's micro-pipeline TP pass requires before it fuses
+    all-gather -> matmul and matmul -> reduce-scatter. Untested: no GPU here (the pass is a no-op on a
+    build without NCCL). Returns whether async TP is on for ``gm``."""
+    if device is None or torch.device(device).type != "cuda" or not dist.is_nccl_available():
+        return False
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    groups = {n.args[1] for n in gm.graph.nodes if collective_kind(n) in ("all_gather_rs_bwd", "reduce_scatter")}
+    names = [ref[0] for ref in map(funcol_group, sorted(groups)) if ref is not None]
+    for name in names:
+        enable_symm_mem_for_group(name)
+    return bool(names)
 
 
 def _inductor(profile: dict) -> Callable:
@@ -138,9 +232,11 @@ def _reason(e: BaseException) -> str:
     return f"{type(inner).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def compile_stage(gm: torch.fx.GraphModule, *, stage: int, lower: Callable | None) -> CompiledStage:
+def compile_stage(gm: torch.fx.GraphModule, *, stage: int, lower: Callable | None,
+                  device: torch.device | None = None) -> CompiledStage:
     """``gm`` (pipeline stage ``stage`` of this rank) compiled by Inductor under :func:`inductor_profile`
     on its first call; ``lower`` is ``fxpar.passes.lower_collectives.lower_collectives`` (None leaves
-    fxpar's collectives opaque). Its backward is one autograd node: a zero-bubble schedule's ``I`` runs
-    it whole and its ``W`` has nothing left to do."""
-    return CompiledStage(gm, stage, _inductor(inductor_profile(lower)))
+    fxpar's collectives opaque); ``device``: where it runs (CUDA turns on async TP, :func:`enable_async_tp`).
+    Its backward is one autograd node: a zero-bubble schedule's ``I`` runs it whole and its ``W`` has
+    nothing left to do."""
+    return CompiledStage(gm, stage, _inductor(inductor_profile(lower, async_tp=enable_async_tp(gm, device))))
