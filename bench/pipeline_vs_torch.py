@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
+from _docs import replace_section  # bench/_docs.py (the script's folder is on sys.path)
 
 from fxpar.testing.timing import timed
 
@@ -199,12 +200,15 @@ def print_summary(s: dict) -> None:
           f"{s['fx_best'] / s['th_best']:.3f})")
 
 
+SECTION = "### fxpar vs torch.distributed.pipelining, pp=2"
+
+
 def markdown(summaries: list[dict], a, load: tuple[float, float]) -> str:
     c = MODEL_CONFIG
     now = datetime.date.today().isoformat()
     mach = f"{platform.machine()} {os.cpu_count()} threads, {platform.system()} {platform.release()}"
-    lines = [f"\n### fxpar vs torch.distributed.pipelining, pp=2 ({now}, {mach}, torch {torch.__version__}, "
-             f"transformers {transformers.__version__})\n",
+    lines = [f"\n{SECTION}\n",
+             f"{now}, {mach}, torch {torch.__version__}, transformers {transformers.__version__}. "
              f"Llama from LlamaConfig (hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
              f"{c['num_attention_heads']} heads / {c['num_key_value_heads']} KV heads, intermediate "
              f"{c['intermediate_size']}, vocab {c['vocab_size']}, untied), fp32 on CPU, batch {a.batch} x seq "
@@ -236,7 +240,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--write", default=None, help="append the result to this markdown file")
+    ap.add_argument("--write", default=None, help="replace this benchmark's section of this markdown file")
     a = ap.parse_args()
     if a.steps < 1 or a.warmup < 0:
         ap.error("--steps must be at least 1 and --warmup at least 0")
@@ -256,9 +260,8 @@ def main() -> None:
     if bad:
         print(f"\nWARNING: first-step losses differ by more than {LOSS_TOL} for {bad}: the comparison is not fair")
     if a.write:
-        with open(a.write, "a") as f:
-            f.write(markdown(summaries, a, (load_before, os.getloadavg()[0])))
-        print(f"\nappended to {a.write}")
+        replace_section(a.write, SECTION, markdown(summaries, a, (load_before, os.getloadavg()[0])))
+        print(f"\nwrote its section of {a.write}")
     if bad:
         sys.exit(1)
 

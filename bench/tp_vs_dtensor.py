@@ -28,6 +28,7 @@ import sys
 import time
 
 import torch
+from _docs import replace_section  # bench/_docs.py (the script's folder is on sys.path)
 
 from fxpar.testing.timing import timed
 
@@ -98,14 +99,17 @@ def bench_rank(tp: int, steps: int, warmup: int, batch_size: int) -> dict:
     return {"times": times, "losses": losses, "build": {"fxpar": fx.build_s, "dtensor": dt.build_s}}
 
 
+def section(tp: int) -> str:
+    return f"### fxpar tensor parallel vs DTensor parallelize_module, tp={tp}"
+
+
 def markdown(r: dict, a, load: tuple[float, float]) -> str:
     now = datetime.date.today().isoformat()
     mach = f"{platform.machine()} {os.cpu_count()} threads, {platform.system()} {platform.release()}"
     fx, dt = statistics.median(r["times"]["fxpar"]), statistics.median(r["times"]["dtensor"])
     diff = max(abs(x - y) for x, y in zip(r["losses"]["fxpar"], r["losses"]["dtensor"]))
     return "\n".join([
-        f"\n### fxpar tensor parallel vs DTensor parallelize_module, tp={a.tp} ({now}, {mach}, torch "
-        f"{torch.__version__})\n",
+        f"\n{section(a.tp)}\n", f"{now}, {mach}, torch {torch.__version__}.",
         f"torch's DTensor test Transformer (dim {ARGS['dim']}, {ARGS['n_heads']} heads, {ARGS['n_layers']} layers, "
         f"vocab {ARGS['vocab_size']}, untied) with a cross-entropy loss, fp32 on CPU, batch {a.batch} x seq "
         f"{ARGS['max_seq_len']}, AdamW lr {LR}; {a.tp} gloo ranks, one torch thread each, in the same processes; "
@@ -126,7 +130,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--write", default=None, help="append the result to this markdown file")
+    ap.add_argument("--write", default=None, help="replace this benchmark's section of this markdown file")
     a = ap.parse_args()
     from fxpar.testing.multiproc import RankPool
 
@@ -140,9 +144,8 @@ def main() -> None:
     print(f"median step: fxpar {fx * 1e3:.0f} ms, DTensor {dt * 1e3:.0f} ms, ratio {fx / dt:.3f}; worst |dloss| "
           f"{diff:.1e}; build fxpar {r['build']['fxpar']:.1f} s, DTensor {r['build']['dtensor']:.1f} s")
     if a.write:
-        with open(a.write, "a") as f:
-            f.write(markdown(r, a, (load_before, os.getloadavg()[0])))
-        print(f"appended to {a.write}")
+        replace_section(a.write, section(a.tp), markdown(r, a, (load_before, os.getloadavg()[0])))
+        print(f"wrote its section of {a.write}")
     if diff > LOSS_TOL:
         print(f"WARNING: losses differ by more than {LOSS_TOL}: the comparison is not fair")
         sys.exit(1)

@@ -5,10 +5,14 @@ microbatch is already weighted by its share of the global batch's tokens, so gra
 over the dp group (no division).
 
 * zero=0 (DDP): gradients are flattened into buckets (in the order backward produces them, up to
-  ``bucket_bytes``) and each bucket is all-reduced asynchronously as soon as all of its gradients are
-  final, while backward still runs. When a gradient is final is learned in the first step (how many
-  times autograd accumulates into each parameter per step, which depends on microbatches and
-  schedule); the first step reduces after backward.
+  ``bucket_bytes``; the first bucket, the last layers', up to 1 MiB as torch DDP's, so that its
+  reduction starts early) and each bucket is all-reduced asynchronously as soon as all of its
+  gradients are final, while backward still runs. When a gradient is final is learned in the first
+  step of each program (how many times autograd accumulates into each parameter per step, which
+  depends on microbatches and schedule); that step reduces after backward. Each gradient is copied
+  into its bucket the moment it is final, and the bucket is kept from step to step: after the
+  reduction the parameters' ``.grad`` are views of it (torch DDP's ``gradient_as_bucket_view``), so a
+  step makes one copy of every gradient and allocates no bucket.
 * zero=1: the same reductions; each rank's optimizer holds only its shard of every bucket (a flat fp32
   parameter, so optimizer states are 1/dp), updates it, and the updated shards are all-gathered
   back into the parameters.
@@ -43,12 +47,15 @@ from fxpar.runtime.groups import resolve_group
 class _Bucket(FlatBucket):
     """A gradient bucket: the flat layout of its parameters, the parameters, and the step's state."""
 
-    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], dp: int, rank: int):
+    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], dp: int, rank: int, keep: bool):
         super().__init__([n for n, _ in params], [p.shape for _, p in params], dp)
         self.params = [p for _, p in params]
         self.lo, self.hi = self.shard_range(rank)
+        self.keep = keep  # the flat buffer lives from step to step (zero=0/1; zero=2 frees it)
         self.work = None  # the async collective in flight
-        self.flat: torch.Tensor | None = None
+        self.flat: torch.Tensor | None = None  # the gradients, flat (padding zero)
+        self.filled: set[int] = set()  # positions whose gradient is in ``flat`` this step
+        self.waiting = 0  # gradients still to become final before the bucket can go
         self.shard: torch.nn.Parameter | None = None
 
     def local_flat(self, grads: bool) -> torch.Tensor:
@@ -56,12 +63,23 @@ class _Bucket(FlatBucket):
         p0 = self.params[0]
         return self.flatten([p.grad if grads else p.data for p in self.params], dtype=p0.dtype, device=p0.device)
 
-    def scatter_into(self, flat: torch.Tensor, grads: bool) -> None:
+    def fill(self, i: int) -> None:
+        """Copy parameter ``i``'s gradient (zeros if it has none) into its place in the flat buffer."""
+        if self.flat is None:
+            p0 = self.params[0]
+            self.flat = torch.zeros(self.padded_numel, dtype=p0.dtype, device=p0.device)
+        piece = self.flat[self.offsets[i]:self.offsets[i] + self.numels[i]]
+        g = self.params[i].grad
+        if g is None:
+            piece.zero_()
+        else:
+            piece.copy_(g.detach().reshape(-1))
+        self.filled.add(i)
+
+    def scatter_into(self, flat: torch.Tensor) -> None:
+        """The parameters' values from ``flat`` (gathered shards)."""
         for p, piece in zip(self.params, self.views(flat)):
-            if grads:
-                p.grad = piece.clone()
-            else:
-                p.data.copy_(piece)
+            p.data.copy_(piece)
 
 
 class DataParallelEngine:
@@ -69,7 +87,7 @@ class DataParallelEngine:
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], optimizer_factory, *, dp: int,
                  rank: int, zero: int, group: str = "dp", bucket_bytes: int = 25 * 2**20, overlap: bool = True,
-                 offload: bool = False):
+                 offload: bool = False, first_bucket_bytes: int | None = None):
         self.dp, self.rank, self.zero, self.group = dp, rank, zero, group
         self.overlap = overlap  # (offload with zero other than 1 or 2 is refused by Plan itself)
         self.home = torch.device("cpu") if offload else None  # where shards and optimizer states live
@@ -77,17 +95,21 @@ class DataParallelEngine:
         self.params = [p for _, p in named]
         self.buckets: list[_Bucket] = []
         if zero < 3:
+            # torch DDP's first-bucket cap (1 MiB): the first gradients backward makes go out at once
+            first = min(bucket_bytes, getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20)
+                        if first_bucket_bytes is None else first_bucket_bytes)
             current: list = []
             size = 0
             for name, p in reversed(named):  # backward makes the last layers' gradients first
-                if current and (size + p.numel() * p.element_size() > bucket_bytes or p.dtype != current[0][1].dtype):
-                    self.buckets.append(_Bucket(current, dp, rank))
+                cap = first if not self.buckets else bucket_bytes
+                if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0][1].dtype):
+                    self.buckets.append(_Bucket(current, dp, rank, keep=zero < 2))
                     current, size = [], 0
                 current.append((name, p))
                 size += p.numel() * p.element_size()
             if current:
-                self.buckets.append(_Bucket(current, dp, rank))
-        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+                self.buckets.append(_Bucket(current, dp, rank, keep=zero < 2))
+        self.slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         if zero in (1, 2):
             for b in self.buckets:
                 b.shard = torch.nn.Parameter(b.local_flat(False)[b.lo:b.hi].float().clone().to(self.home or
@@ -99,7 +121,9 @@ class DataParallelEngine:
             check_optimizer(self.optimizer, zero)
         self.comm: dict[str, int] = {"all_reduce": 0, "all_gather": 0}  # payload bytes in the last step
         self.counts: dict[int, int] = {}
-        self.expected: dict[int, int] | None = None
+        self.expected: dict[int, int] | None = None  # the current program's, learned on its first step
+        self.learned: dict[object, dict[int, int]] = {}  # program key -> gradients per parameter per step
+        self.key = None
         self.hooks = []
         if zero < 3 and dp > 1:
             me = weakref.ref(self)  # the hooks must not keep an engine alive (a model compiled again)
@@ -121,22 +145,35 @@ class DataParallelEngine:
         self.close()
 
     # ---- during backward --------------------------------------------------------------------------
-    def start_step(self) -> None:
+    def start_step(self, key=None) -> None:
+        """A new step of the program ``key`` (each program learns its own gradient counts)."""
         self.counts = {id(p): 0 for p in self.params}
         self.comm = dict.fromkeys(self.comm, 0)
+        self.key = key
+        self.expected = self.learned.get(key)
         for b in self.buckets:
-            b.work, b.flat = None, None
+            b.work, b.filled = None, set()
+            if not b.keep:
+                b.flat = None
+            if self.expected is not None:
+                b.waiting = sum(self.expected[id(q)] > 0 for q in b.params)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        self.counts[id(p)] = self.counts.get(id(p), 0) + 1
-        if not self.overlap or self.expected is None:
+        n = self.counts[id(p)] = self.counts.get(id(p), 0) + 1
+        if not self.overlap or self.expected is None or n != self.expected[id(p)]:
             return
-        b = self.bucket_of[id(p)]
-        if b.work is None and all(self.counts.get(id(q), 0) >= self.expected.get(id(q), 1) for q in b.params):
+        b, i = self.slot[id(p)]  # p's gradient is final: into the bucket now, while backward goes on
+        if b.work is not None:
+            return  # (more gradients than learned: finish raises)
+        b.fill(i)
+        b.waiting -= 1
+        if b.waiting == 0:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        b.flat = b.local_flat(True)
+        for i in range(len(b.params)):
+            if i not in b.filled:  # the gradients not copied at their hook (first step, no overlap, none)
+                b.fill(i)
         b.work = dist.all_reduce(b.flat, group=resolve_group(self.group), async_op=True)
         self.comm["all_reduce"] += b.flat.numel() * b.flat.element_size()
         if self.zero == 2:  # the bucket holds the gradients now; the full ones go
@@ -149,19 +186,27 @@ class DataParallelEngine:
         if self.dp == 1 or self.zero == 3:
             return
         if self.expected is None:
-            self.expected = dict(self.counts)
+            self.expected = self.learned[self.key] = dict(self.counts)
         for b in self.buckets:
             if b.work is None:
                 self._launch(b)
         for b in self.buckets:
             b.work.wait()
-            if self.zero == 0:
-                b.scatter_into(b.flat, grads=True)
-            else:  # gloo has no reduce-scatter: the all-reduced bucket, sliced (NCCL would scatter)
+            if self.zero < 2:  # the parameters' gradients are views of the reduced bucket
+                for p, piece in zip(b.params, b.views(b.flat)):
+                    p.grad = piece
+            if self.zero > 0:  # gloo has no reduce-scatter: the all-reduced bucket, sliced (NCCL would scatter)
                 b.shard.grad = b.flat[b.lo:b.hi].float().to(b.shard.device, copy=True)
-                if self.zero == 1:
-                    b.scatter_into(b.flat, grads=True)
-            b.work, b.flat = None, None
+            b.work = None
+            if not b.keep:
+                b.flat = None
+        late = [p for p in self.params if self.counts[id(p)] > self.expected[id(p)]] if self.overlap else []
+        if late:  # a gradient accumulated after its bucket went: the reduced gradients would miss it
+            raise RuntimeError(
+                f"fxpar.runtime.data_parallel: {len(late)} parameter(s) (shapes {[tuple(p.shape) for p in late[:3]]}) "
+                f"got {[self.counts[id(p)] for p in late[:3]]} gradients this step, more than the "
+                f"{[self.expected[id(p)] for p in late[:3]]} learned on the first step of this program; the "
+                "schedule's gradient count must not change between steps of one program")
 
     def step(self) -> None:
         self.finish()
@@ -175,7 +220,7 @@ class DataParallelEngine:
                 full = torch.empty(b.shard_numel * self.dp, dtype=b.shard.dtype, device=device)
                 all_gather_single(full, b.shard.detach().to(device), group=pg)
                 self.comm["all_gather"] += full.numel() * full.element_size()
-                b.scatter_into(full.to(b.params[0].dtype), grads=False)
+                b.scatter_into(full.to(b.params[0].dtype))
 
     # ---- reading ----------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:

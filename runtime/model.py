@@ -121,7 +121,7 @@ class CompiledModel:
         for _, p in self._my_named_parameters(result.pipeline):
             p.grad = None
         if self.engine is not None:
-            self.engine.start_step()
+            self.engine.start_step(self.programs.last_key)  # gradient counts are learned per program
         weights = self._mine(loss_weights(result.program, every, self.model))  # shares of the global batch
         out = runtime.run(self._mine(every), train=True, loss_weights=weights)
         sum_tied_grads(self._tied_groups, result.program, self.pp_rank)
@@ -129,14 +129,17 @@ class CompiledModel:
         loss = torch.zeros((), device=self.device)
         if out.losses:
             loss = sum(out.losses[i].detach() for i in sorted(out.losses)).to(self.device).reshape(())
+        work = None
         if self.world > 1:  # the loss stage's TP rank 0 of every replica holds its share of the global loss
             if not (loss_stage.rank == self.pp_rank and self.tp_rank == 0):
                 loss.zero_()
-            dist.all_reduce(loss)
+            work = dist.all_reduce(loss, async_op=True)  # in flight while the gradients sync and the optimizer steps
         if self.engine is not None:
             self.engine.step()
         elif self.optimizer is not None:
             self.optimizer.step()
+        if work is not None:
+            work.wait()
         self.steps += 1
         return loss
 

@@ -133,7 +133,8 @@ class PipelineRuntime:
         self.device = torch.device(device)
         self.global_ranks, self.group, self.timeout = global_ranks, group, timeout
         self.stages = {s.index: s for s in pprog.stages_of(me)}
-        self.forward_context = forward_context or contextlib.nullcontext  # wraps each training forward (ZeRO-3)
+        # wraps each training forward (ZeRO-3's regathering), told whether its backward comes next
+        self.forward_context = forward_context
         self.autocast_dtype = autocast_dtype  # mixed precision: forwards run under torch.autocast
         self.stage_fns = stage_fns or {}  # stage -> what runs it instead of its GraphModule (compiled)
         # (stage, output) -> how many stages on this rank read it
@@ -161,7 +162,7 @@ class PipelineRuntime:
         loss_pos = self.pprog.loss_output
         actions = self.actions if train else [a for a in self.actions if a.kind == "F"]
 
-        for act in actions:
+        for step, act in enumerate(actions):
             spec = self.stages[act.stage]
             key = (act.stage, act.mb)
             if act.kind == "F":
@@ -180,7 +181,12 @@ class PipelineRuntime:
                     if need and train:
                         v = v.detach().requires_grad_(True)
                     args.append(v)
-                with torch.set_grad_enabled(train), (self.forward_context() if train else contextlib.nullcontext()), \
+                context = contextlib.nullcontext()
+                if train and self.forward_context is not None:
+                    nxt = actions[step + 1] if step + 1 < len(actions) else None
+                    context = self.forward_context(backward_next=nxt is not None and nxt.kind in ("B", "I")
+                                                   and (nxt.stage, nxt.mb) == (act.stage, act.mb))
+                with torch.set_grad_enabled(train), context, \
                         (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                          else contextlib.nullcontext()):
                     outs = self.stage_fns.get(act.stage, spec.gm)(*args)

@@ -36,10 +36,11 @@ class ProgramCache:
         self.entries: dict[tuple, tuple] = {}  # signature -> (result, runtime, setup), most recently used last
         self.first: tuple | None = None
         self.compiled = 0  # programs compiled so far (a dropped one compiled again counts again)
+        self.last_key: tuple | None = None  # the signature of the last ``get``
 
     def get(self, args, kwargs, program=None) -> tuple:
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        key = signature(flat, spec)
+        key = self.last_key = signature(flat, spec)
         hit = self.entries.pop(key, None)
         if hit is None:
             setup = self.setup_for(batch_size(flat))

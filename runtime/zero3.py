@@ -28,11 +28,19 @@ class Zero3Regather:
     gathered bucket, and gathers the bucket again when backward needs it; the gathered forward copy is
     freed after its last forward use. The regathered bucket is kept while backward works through it.
 
+    ``backward_next``: this forward's backward comes right after it (the pipeline runtime knows from
+    its schedule). Then the bucket gathered last is kept from the end of the forward for the backward,
+    which starts with it, instead of being gathered again, as FSDP2 keeps its root's parameters: one
+    gather fewer per step (the LM head's bucket, usually), for holding that bucket through the rest of
+    the forward (the loss), memory the backward's regather would take a moment later anyway.
+
     It hears of the buckets from ``gather_params`` through :func:`fxpar.runtime.collectives.
     observing_param_gathers` (this context only), and its saved-tensor hooks live as long as the
     autograd graph of that forward does."""
 
-    def __init__(self):
+    def __init__(self, backward_next: bool = False):
+        self.backward_next = backward_next
+        self._last: torch.Tensor | None = None  # the bucket gathered last, while backward_next
         # storage pointer of a gathered bucket -> (weak ref to its storage,
         # (shard, group, dim, dtype, comm_dtype));
         # the weak ref tells a live bucket from a later tensor that happens to reuse a freed bucket's address
@@ -42,7 +50,7 @@ class Zero3Regather:
         self._hooks = None
 
     def __enter__(self) -> Zero3Regather:
-        self._observing = observing_param_gathers(self._observe)
+        self._observing = observing_param_gathers(self._observe_last if self.backward_next else self._observe)
         self._observing.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         try:
@@ -58,6 +66,13 @@ class Zero3Regather:
         finally:
             self._observing.__exit__(*exc)
             self._hooks = self._observing = None
+        last, self._last = self._last, None
+        if last is not None and exc[0] is None:  # backward's first regather, served from the forward's copy
+            self.regathered = {last.untyped_storage().data_ptr(): last}
+
+    def _observe_last(self, out, *rest) -> None:
+        self._observe(out, *rest)
+        self._last = out
 
     def _observe(self, out, shard, group, dim, dtype, comm_dtype=None) -> None:
         self.buckets[out.untyped_storage().data_ptr()] = (StorageWeakRef(out.untyped_storage()),
