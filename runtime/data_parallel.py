@@ -77,9 +77,12 @@ class _Bucket(FlatBucket):
         self.filled.add(i)
 
     def scatter_into(self, flat: torch.Tensor) -> None:
-        """The parameters' values from ``flat`` (gathered shards)."""
-        for p, piece in zip(self.params, self.views(flat)):
-            p.data.copy_(piece)
+        """The parameters' values from ``flat`` (the gathered fp32 shards), each cast to its own dtype, in
+        one launch (``fxpar_kernels::copy_out``: Triton on CUDA, torch's split copy elsewhere)."""
+        from fxpar.runtime.kernels import buckets  # on first use: the kernels module loads triton
+
+        with torch.no_grad():
+            buckets.copy_out(flat, [p.data for p in self.params])
 
 
 class DataParallelEngine:
@@ -120,6 +123,8 @@ class DataParallelEngine:
         if self.optimizer is not None:
             check_optimizer(self.optimizer, zero)
         self.comm: dict[str, int] = {"all_reduce": 0, "all_gather": 0}  # payload bytes in the last step
+        # fxpar_kernels this engine launches (fxpar inspect lists them): the updated shards' copy-out
+        self.kernels: tuple[str, ...] = ("copy_out",) if zero in (1, 2) and dp > 1 else ()
         self.counts: dict[int, int] = {}
         self.expected: dict[int, int] | None = None  # the current program's, learned on its first step
         self.learned: dict[object, dict[int, int]] = {}  # program key -> gradients per parameter per step
@@ -220,7 +225,7 @@ class DataParallelEngine:
                 full = torch.empty(b.shard_numel * self.dp, dtype=b.shard.dtype, device=device)
                 all_gather_single(full, b.shard.detach().to(device), group=pg)
                 self.comm["all_gather"] += full.numel() * full.element_size()
-                b.scatter_into(full.to(b.params[0].dtype))
+                b.scatter_into(full)
 
     # ---- reading ----------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:

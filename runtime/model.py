@@ -74,7 +74,7 @@ class CompiledModel:
     def _runtime(self, result: CompileResult) -> PipelineRuntime:
         stage_fns = None
         if compile_enabled(self.plan.compile, self.device) and not self.dry:  # Plan.compile: through Inductor
-            stage_fns = {s.index: compile_stage(s.gm, stage=s.index, lower=self._lower)
+            stage_fns = {s.index: compile_stage(s.gm, stage=s.index, lower=self._lower, device=self.device)
                          for s in result.pipeline.stages_of(self.pp_rank)}
         return PipelineRuntime(result.pipeline, self.schedule, self.pp_rank, self.spec.pipeline_ranks(), None,
                                self.device, self.timeout, forward_context=Zero3Regather if self.plan.zero == 3 else None,

@@ -136,7 +136,8 @@ def dp_report() -> str:
     compiled.step(**batch)
     report = fxpar.inspect(compiled, quiet=True)
     stage = fxpar.inspect(compiled, quiet=True).stage_graph(0)
-    return report.to_text() + "\n" + stage
+    zero1 = fxpar.compile(zoo.build("llama"), "dp=2,zero=1", example_kwargs=batch, optimizer=adamw, timeout=60)
+    return report.to_text() + "\n" + stage + "\n" + fxpar.inspect(zero1, quiet=True).to_text()
 
 
 def test_inspection_shows_buckets_gathers_and_memory(pool2):
@@ -146,6 +147,8 @@ def test_inspection_shows_buckets_gathers_and_memory(pool2):
     assert "bucket 1: 9 params from model.layers.0" in text  # a decoder layer: 7 linears and 2 norms
     assert "memory per rank, measured" in text and "memory per rank, predicted" in text
     assert text.count("fxpar.gather_params") == layers + 3
+    assert "kernels: none of fxpar's hand-written kernels" in text  # ZeRO-3's buckets are views, no copy-out
+    assert "copy_out [torch] in data-parallel engine" in text  # ZeRO-1's updated shards back into parameters
 
 
 def offload_training() -> dict:
