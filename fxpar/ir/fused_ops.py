@@ -83,6 +83,12 @@ def _backward(ctx, grad_loss, grad_lse):
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 
+# Under autocast the op computes as the unfused head does (its matmuls in bf16, the loss in fp32):
+# without this, a custom op sees fp32 inputs and the fused loss would differ from the unfused one by
+# bf16 rounding. fxpar's mixed precision is bf16 only (``Plan.mixed_precision``).
+for _device in ("cpu", "cuda"):
+    torch.library.register_autocast("fxpar_kernels::linear_cross_entropy", _device, torch.bfloat16)
+
 # every fused op overload passes may emit (inspection lists the ones a graph uses)
 FUSED_OPS = {
     "linear_cross_entropy": torch.ops.fxpar_kernels.linear_cross_entropy.default,

@@ -76,6 +76,17 @@ def test_one_process_matches_unfused():
     assert "linear_cross_entropy [torch] in stage 0" in fxpar.inspect(compiled, quiet=True).to_text()
 
 
+def test_bf16_autocast_matches_unfused():
+    """Under bf16 mixed precision the fused op multiplies in bf16, as the unfused head does."""
+    batch = zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=2, seq=16)
+    losses = []
+    for fused in (False, True):
+        compiled = fxpar.compile(zoo.build("llama", seed=0), Plan(mixed_precision="bf16", fused_loss=fused), (),
+                                 batch, optimizer=_sgd)
+        losses.append([compiled.step(**batch).item() for _ in range(3)])
+    assert max(abs(a - b) for a, b in zip(*losses)) <= TOL, losses
+
+
 def _tp_case(name: str, plan: str) -> dict:
     batch = zoo.example_inputs(name, zoo.tiny_config(name), batch=2, seq=8)
     compiled = fxpar.compile(zoo.build(name, seed=0), plan, example_kwargs=batch, optimizer=_sgd, timeout=120)
