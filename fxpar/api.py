@@ -32,6 +32,7 @@ from fxpar.ir.stage import CompileResult
 from fxpar.passes.lower_collectives import lower_collectives
 from fxpar.planner import feasibility
 from fxpar.runtime import liveness
+from fxpar.runtime.grad_norm import check_max_grad_norm
 from fxpar.runtime.groups import mesh_groups
 from fxpar.runtime.model import CompiledModel
 from fxpar.weights import WeightSource
@@ -142,7 +143,8 @@ def _world() -> tuple[int, int]:
 
 def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
             *, optimizer=None, device=None, device_model: DeviceModel = H100, frontend: str = "auto",
-            timeout: float | None = None, program: Program | None = None, weights=None) -> CompiledModel:
+            timeout: float | None = None, program: Program | None = None, weights=None,
+            max_grad_norm: float | None = None) -> CompiledModel:
     """Compile ``model`` for ``plan`` on this rank (call it on every rank with the same arguments).
 
     ``example_kwargs`` is one full batch (labels included for training); ``optimizer`` a factory
@@ -157,7 +159,13 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     ``device=None`` is where the model's weights are, or for a meta-device model the device
     :func:`fxpar.launch.device_for_rank` picks (``cuda:<LOCAL_RANK>``, or the CPU). A peer that dies makes every other rank raise :class:`fxpar.runtime.liveness.PeerFailure`
     naming it, within the timeout.
+
+    ``max_grad_norm``: every ``step`` clips the global L2 norm of the gradients (all TP shards, stages and
+    ZeRO shards, each entry once) to it after their sync, as ``torch.nn.utils.clip_grad_norm_`` before the
+    optimizer step; ``float('inf')`` only measures it. The norm before clipping is
+    ``compiled.last_grad_norm`` (see :mod:`fxpar.runtime.grad_norm`).
     """
+    check_max_grad_norm(max_grad_norm)  # before any communication
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     if plan.fused_loss:  # the fused loss's kernels (loaded on demand: the module imports triton)
         import fxpar.runtime.kernels.cross_entropy  # noqa: F401
@@ -172,7 +180,8 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     with liveness.guard("compile"):
         return _compile(model, plan, MeshSpec.for_plan(plan, rank), example_args, example_kwargs,
                         optimizer=optimizer, device=device, device_model=device_model, frontend=frontend,
-                        timeout=timeout, program=program, weights=weights, dry=False)
+                        timeout=timeout, program=program, weights=weights, dry=False,
+                        max_grad_norm=max_grad_norm)
 
 
 def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
@@ -189,7 +198,8 @@ def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), ex
 
 
 def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *, optimizer, device, device_model,
-             frontend, timeout, program, weights, dry: bool) -> CompiledModel:
+             frontend, timeout, program, weights, dry: bool,
+             max_grad_norm: float | None = None) -> CompiledModel:
     example_kwargs = dict(example_kwargs or {})
     timeout = float(timeout if timeout is not None else os.environ.get("FXPAR_TIMEOUT", 300))
     feasibility.check_optimizer_factory(plan, optimizer)
@@ -205,4 +215,5 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
     return CompiledModel(builder, model, plan, mesh, setup, actions, example_args, example_kwargs, optimizer,
                          device=device, timeout=timeout, device_mesh=device_mesh, program=program, dry=dry,
                          predict_memory=lambda n, states: memory_per_rank(n, plan.zero, plan.dp, states),
-                         lower_collectives=lower_collectives)  # for Plan(compile=True); runtime never imports passes
+                         lower_collectives=lower_collectives,  # for Plan(compile=True); runtime never imports passes
+                         max_grad_norm=max_grad_norm)

@@ -214,7 +214,12 @@ class DataParallelEngine:
                 "schedule's gradient count must not change between steps of one program")
 
     def step(self) -> None:
+        """:meth:`finish`, then :meth:`update` (the compiled model calls them apart to clip in between)."""
         self.finish()
+        self.update()
+
+    def update(self) -> None:
+        """The optimizer step on the synchronised gradients; ZeRO-1/2 gather the updated shards back."""
         if self.optimizer is None:
             return
         self.optimizer.step()

@@ -2,11 +2,13 @@
 
 It composes small parts: the batch cut into microbatches (``fxpar.ir.batch``), the pipeline runtime,
 the data-parallel engine (DDP / ZeRO-1/2) or ZeRO-3's regathering (``fxpar.runtime.zero3``), the tied
-gradients (``fxpar.runtime.tied``) and the full-state gathering (``fxpar.runtime.state``). What to run
-comes from ``build``, a callback of ``fxpar.compile`` that traces one input signature and runs the pass
-list on it: one :class:`~fxpar.ir.stage.CompileResult` per signature, cached on the pytree structure
-*and* every tensor's shape and dtype (``fxpar.runtime.programs``), so a graph traced for one shape never
-runs on another; each microbatch is checked against its program's traced shapes as well.
+gradients (``fxpar.runtime.tied``), the global gradient-norm clipping between the gradients' sync and
+the optimizer step (``fxpar.runtime.grad_norm``) and the full-state gathering (``fxpar.runtime.state``).
+What to run comes from ``build``, a callback of ``fxpar.compile`` that traces one input signature and
+runs the pass list on it: one :class:`~fxpar.ir.stage.CompileResult` per signature, cached on the
+pytree structure *and* every tensor's shape and dtype (``fxpar.runtime.programs``), so a graph traced
+for one shape never runs on another; each microbatch is checked against its program's traced shapes
+as well.
 
 Every rank calls ``step``/``__call__`` with the same full (global) batch: each data-parallel replica
 takes its slice, and only the stages a rank runs read it (the first stage its input ids, the last its
@@ -30,6 +32,7 @@ from fxpar.ir.program import Program
 from fxpar.ir.stage import CompileResult, PipelineProgram
 from fxpar.runtime.compile import compile_enabled, compile_stage
 from fxpar.runtime.data_parallel import DataParallelEngine, held_bytes
+from fxpar.runtime.grad_norm import make_clipper
 from fxpar.runtime.liveness import guarded
 from fxpar.runtime.pipeline import PipelineRuntime
 from fxpar.runtime.programs import ProgramCache
@@ -44,7 +47,8 @@ class CompiledModel:
     def __init__(self, build: Callable, model: torch.nn.Module, plan: Plan, mesh: MeshSpec, setup, actions,
                  example_args, example_kwargs, optimizer, *, device: torch.device, timeout: float,
                  device_mesh=None, program: Program | None = None, predict_memory: Callable | None = None,
-                 dry: bool = False, lower_collectives: Callable | None = None):
+                 dry: bool = False, lower_collectives: Callable | None = None,
+                 max_grad_norm: float | None = None):
         self.model, self.plan, self.spec, self.setup = model, plan, mesh, setup
         self.mesh = device_mesh  # torch's DeviceMesh (None on one rank, or when only pricing the plan)
         self.world, self.rank = mesh.world_size, mesh.rank
@@ -69,6 +73,7 @@ class CompiledModel:
         else:  # a rank whose stages hold no parameter (possible with tiny models) has nothing to optimise
             mine = [p for _, p in named]
             self.optimizer = optimizer(mine) if optimizer is not None and mine else None
+        self.clipper = make_clipper(max_grad_norm, self._train, mesh, named, self.engine, device)
 
     # ---- building ----------------------------------------------------------------------------------
     def _runtime(self, result: CompileResult) -> PipelineRuntime:
@@ -135,7 +140,11 @@ class CompiledModel:
                 loss.zero_()
             work = dist.all_reduce(loss, async_op=True)  # in flight while the gradients sync and the optimizer steps
         if self.engine is not None:
-            self.engine.step()
+            self.engine.finish()
+        if self.clipper is not None:  # between the gradients' sync and the optimizer step
+            self.clipper.clip()
+        if self.engine is not None:
+            self.engine.update()
         elif self.optimizer is not None:
             self.optimizer.step()
         if work is not None:
@@ -174,6 +183,12 @@ class CompiledModel:
         return pytree.tree_unflatten(outs, result.program.out_spec)
 
     # ---- reading -----------------------------------------------------------------------------------
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last ``step``'s global gradient norm before clipping (as ``clip_grad_norm_`` returns it),
+        the same on every rank; None without ``max_grad_norm`` or before the first step."""
+        return self.clipper.last_norm() if self.clipper is not None else None
+
     @guarded("gathering the full state")
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors keyed by the original FQNs (tied parameters under each name), on every rank.
