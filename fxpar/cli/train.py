@@ -3,9 +3,10 @@
 Every rank builds the model (a zoo name or an HF ``config.json``; on the meta device when asked, with
 weights from ``--resume`` or the initialiser), compiles it for the plan, and trains on synthetic data
 (random tokens, seeded per step) or a text file (UTF-8 bytes as token ids, consecutive windows).
-Rank 0 logs a progress bar, the loss, tokens/s and the memory per rank (params + grads + optimizer
-states); ``--save DIR --save-every K`` writes checkpoints (fxpar.checkpoint), ``--resume DIR``
-continues from the last complete one, ``--export DIR`` writes a Hugging Face model at the end.
+Rank 0 logs a progress bar, the loss, the global gradient norm (with ``--max-grad-norm``), tokens/s and
+the memory per rank (params + grads + optimizer states); ``--save DIR --save-every K`` writes
+checkpoints (fxpar.checkpoint), ``--resume DIR`` continues from the last complete one, ``--export DIR``
+writes a Hugging Face model at the end.
 
 Resuming reproduces the uninterrupted run: the weights and the optimizer state come from the
 checkpoint (each rank reads its own shards, under any plan), the data stream skips the steps already taken (synthetic batches are seeded by step)
@@ -86,7 +87,7 @@ def run(args) -> int:
     batch = {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
     lr = args.lr
     compiled = fxpar.compile(model, plan, example_kwargs=batch, device=device, weights=weights,
-                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr))
+                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr), max_grad_norm=args.max_grad_norm)
     if resume is not None and compiled.optimizer is not None:
         try:  # optimizer states are saved by FQN: they reshard to any plan as the weights do
             checkpoint.load_optimizer(compiled, resume)
@@ -108,8 +109,10 @@ def run(args) -> int:
         losses.append(loss)
         mem = sum(compiled.memory()["measured"].values()) / 2**20
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            norm = compiled.last_grad_norm
             say(f"{_bar(step + 1, args.steps)} step {step + 1}/{args.steps}  loss {loss:.4f}  "
-                f"{ids.numel() / dt:,.0f} tok/s  mem/rank {mem:.1f} MiB", flush=True)
+                + (f"grad norm {norm:.4f}  " if norm is not None else "")
+                + f"{ids.numel() / dt:,.0f} tok/s  mem/rank {mem:.1f} MiB", flush=True)
         if args.save and args.save_every and (step + 1) % args.save_every == 0:
             with guard("saving a checkpoint"):  # a peer lost during the save is named
                 path = checkpoint.save(compiled, args.save, step + 1)
@@ -131,6 +134,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-grad-norm", type=float, default=None,
+                   help="clip the global gradient norm (every TP/PP/ZeRO shard counted once) to this; the "
+                        "norm before clipping is logged ('inf': log it without clipping)")
     p.add_argument("--data", default="synthetic", help="'synthetic' or a text file (bytes as tokens)")
     p.add_argument("--meta", action="store_true", help="build on the meta device; weights from the initialiser")
     p.add_argument("--save", default=None, help="checkpoint directory")
