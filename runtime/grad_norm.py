@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.stage import CompileResult
+from fxpar.runtime.state import canonical_names, owning_ranks
 
 __all__ = ["check_max_grad_norm", "make_clipper", "stepped_tensors", "GradClipper"]
 
@@ -81,17 +82,7 @@ class GradClipper:
     def __init__(self, max_norm: float, result: CompileResult, mesh: MeshSpec, stepped: list, device):
         self.max_norm, self.device = max_norm, device
         self.world = mesh.world_size
-        owner: dict[str, int] = {}
-        for stage in result.pipeline.stages:
-            for fqn in stage.params:
-                owner.setdefault(fqn, stage.rank)
-        program, tp = result.program, result.tp
-
-        def canonical(name: str) -> str:
-            try:
-                return program.canonical(name)
-            except KeyError:
-                return name
+        owner, canonical, tp = owning_ranks(result.pipeline), canonical_names(result.program), result.tp
 
         def counts(name: str, whole: bool) -> bool:
             fqn = canonical(name)

@@ -142,6 +142,26 @@ def _plain_geometry(fqn: str):
     return lambda t: [(fqn, tuple(t.shape), [((0,) * t.dim(), t)], False)]
 
 
+def owning_ranks(pipeline) -> dict[str, int]:
+    """FQN -> the pipeline rank that owns it: the first stage holding it (a tied parameter is on several).
+    One rule for every "each entry once" question: who writes it to a checkpoint, who counts its norm."""
+    owner: dict[str, int] = {}
+    for stage in pipeline.stages:
+        for fqn in stage.params + stage.buffers:
+            owner.setdefault(fqn, stage.rank)
+    return owner
+
+
+def canonical_names(program):
+    """``name -> program.canonical(name)``, a name the program does not know left as it is."""
+    def canonical(name: str) -> str:
+        try:
+            return program.canonical(name)
+        except KeyError:
+            return name
+    return canonical
+
+
 def local_state(compiled, *, optimizer: bool = False, writers_only: bool = True) -> dict[str, Held]:
     """This rank's pieces of the model's tensors (``"model.<fqn>"``) and, with ``optimizer``, of its
     optimizer states (``"optim.<fqn>.<state>"``, e.g. ``exp_avg``), by original FQN and position in the
@@ -155,16 +175,8 @@ def local_state(compiled, *, optimizer: bool = False, writers_only: bool = True)
     into). Scalar states (``step``) go with the chunk at the tensor's origin."""
     result, mesh, program = compiled.result, compiled.spec, compiled.result.program
     pipeline, tp = result.pipeline, result.tp
-    owner: dict[str, int] = {}
-    for stage in pipeline.stages:
-        for fqn in stage.params + stage.buffers:
-            owner.setdefault(fqn, stage.rank)
-
-    def canonical(name: str) -> str:
-        try:
-            return program.canonical(name)
-        except KeyError:
-            return name
+    owner = owning_ranks(pipeline)
+    canonical = canonical_names(program)
 
     def writes(fqn: str, per_dp: bool) -> bool:
         if owner.get(fqn, mesh.pp_rank) != mesh.pp_rank:
