@@ -1,1 +1,14 @@
-"""Data for fine-tuning: tokenizers from model directories, local files through HF datasets, packing or padding, a deterministic resumable order."""
+"""Data for fine-tuning: tokenizers from model directories, local files through HF datasets, packing or padding, a deterministic resumable order.
+
+``load_tokenizer(dir)`` -> ``DataSpec(path, ...)`` -> ``TokenDataset(spec, tok, max_positions=...)`` ->
+``Batches(ds, batch, seed)`` for training (``state_dict`` in the checkpoint) and ``eval_batches(ds, batch)``
+for evaluation. ``datasets`` and ``transformers`` are imported only when a file or tokenizer is read.
+"""
+
+from fxpar.data.batches import Batches, eval_batches
+from fxpar.data.dataset import TokenDataset
+from fxpar.data.encode import IGNORE
+from fxpar.data.spec import DataSpec
+from fxpar.data.tokenizer import load_tokenizer
+
+__all__ = ["Batches", "DataSpec", "IGNORE", "TokenDataset", "eval_batches", "load_tokenizer"]
