@@ -118,9 +118,11 @@ class _StreamingWriter(dcp.FileSystemWriter):
 
 # ---- saving and loading ----------------------------------------------------------------------------
 
-def save(compiled, directory: str | Path, step: int) -> Path:
+def save(compiled, directory: str | Path, step: int, extra: dict | None = None) -> Path:
     """Save this rank's shards of the model and the optimizer at ``step`` under ``directory/step_<N>``;
-    every rank calls it. Nothing is gathered. Returns the checkpoint's path."""
+    every rank calls it. Nothing is gathered. ``extra``: JSON-able state of the training loop (the
+    learning-rate schedule, the data position), the same on every rank; ``info(path)["extra"]``.
+    Returns the checkpoint's path."""
     directory = Path(directory)
     final = directory / f"step_{step:08d}"
     partial = directory / f"step_{step:08d}.partial"
@@ -138,7 +140,7 @@ def save(compiled, directory: str | Path, step: int) -> Path:
         program = compiled.program
         meta = {"format": FORMAT, "step": step, "plan": compiled.plan.to_dict(), "world": compiled.world,
                 "aliases": {a: p.fqn for p in program.params.values() for a in p.fqns if a != p.fqn},
-                "param_groups": _groups(compiled.optimizer)}
+                "param_groups": _groups(compiled.optimizer), "extra": extra or {}}
         (partial / "fxpar.json").write_text(json.dumps(meta, default=str))
         if final.exists():
             trash = directory / f"step_{step:08d}.old"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from fxpar.cli.models import example_kwargs, load_model
+from fxpar.train.models import example_kwargs, load_model
 
 
 def cmd_inspect(args) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fxpar.cli.models import example_kwargs, load_model
+from fxpar.train.models import example_kwargs, load_model
 
 
 def cmd_plan(args) -> int:

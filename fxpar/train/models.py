@@ -1,4 +1,4 @@
-"""What ``fxpar inspect``, ``fxpar plan`` and ``fxpar train`` share: a model from a name or a config, and
+"""What ``fxpar inspect``, ``fxpar plan``, ``fxpar train`` and ``fxpar generate`` share: a model from a name or a config, and
 example inputs for it."""
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ def _killing_train(argv: list[str]) -> int:
 
     save = checkpoint.save
 
-    def save_then_die(compiled, directory, step):
-        path = save(compiled, directory, step)
+    def save_then_die(compiled, directory, step, **kw):
+        path = save(compiled, directory, step, **kw)
         if step == KILL_AFTER and compiled.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
             # a file, not stdout: the ranks share torchrun's stdout and their lines can interleave
             (Path(directory).parent / "killed").write_text(f"rank 1: SIGKILL after saving step {step}")

@@ -1,0 +1,244 @@
+"""The fine-tuning loop behind ``fxpar train`` and ``examples/finetune_hf.py`` (run under torchrun).
+
+Every rank builds the model (a ``save_pretrained`` directory: on the meta device, each rank reading only
+its own shards of the safetensors files; or a zoo name / config.json), the tokenizer (from the model
+directory, or ``--tokenizer``) and the data (:mod:`fxpar.train.streams`), compiles the model for the
+plan with AdamW (Trainer's weight-decay groups), the learning-rate schedule and the gradient-norm
+clipping, and trains: each step one global batch of ``accum x batch`` sequences. Rank 0 prints a
+progress line; every rank takes part in the JSON-lines metrics and the evaluations
+(``--eval-data``, ``--eval-every``: loss and perplexity over every evaluation sample once, whatever
+the data-parallel degree).
+
+Everything is checked before the first collective (the model directory, the tokenizer, the data files and
+their fields, the chat template, the sequence length against the model's maximum, the plan), so bad
+input is one clear error on every rank, not a hang.
+
+Resuming (``--resume DIR``) reproduces the uninterrupted run: weights and optimizer states come from
+the checkpoint (each rank reads its own shards, under any plan), the schedule's state and the data
+position from its ``extra`` record, and every step seeds the RNG from ``(--seed, step)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from pathlib import Path
+
+import torch
+
+from fxpar.ir.errors import PlanError
+from fxpar.train import metrics as M
+from fxpar.train import optim, streams
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The RNG seed of ``step``: a function of the step alone, so a resumed run draws what an uninterrupted
+    one draws (dropout) with no RNG state in the checkpoint."""
+    return (seed * 1_000_003 + step + 1) % 2**63
+
+
+def _bar(done: int, total: int, width: int = 20) -> str:
+    filled = width * done // max(total, 1)
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+class FineTune:
+    """One run's state: model, data, compiled program, schedule, metrics. ``run()`` trains."""
+
+    def __init__(self, args):
+        import fxpar
+        from fxpar import checkpoint
+        from fxpar.launch import init_distributed
+        from fxpar.train.models import directory_weights, load_model, model_directory
+
+        self.args = a = args
+        self.accum = a.grad_accum
+        if a.grad_accum < 1:
+            raise PlanError(f"--grad-accum {a.grad_accum}: give 1 or more batches per optimizer step")
+        optim.check_schedule(a.lr_scheduler, a.warmup, a.steps)
+        plan = fxpar.Plan.from_file(a.plan_file) if a.plan_file else fxpar.Plan.parse(a.plan)
+        if a.bf16:
+            plan = dataclasses.replace(plan, mixed_precision="bf16")
+        if self.accum > 1:  # accumulation: more microbatches of the same size (see fxpar.train.streams)
+            per = plan.microbatches or plan.pp * (plan.virtual_stages or 1)
+            plan = dataclasses.replace(plan, microbatches=per * self.accum)
+        self.plan = plan
+        directory = model_directory(a.model)
+        self.resume = checkpoint.latest(a.resume) if a.resume else None
+        torch.manual_seed(a.seed)
+        self.model = model = load_model(a.model, meta=a.meta or self.resume is not None)
+        weights = None
+        if self.resume is not None:
+            weights = checkpoint.model_source(self.resume)  # each rank reads only its own shards
+        elif directory is not None:
+            weights = directory_weights(directory)
+        elif a.meta:
+            weights = "init"
+        self.tokenizer = None
+        tok_dir = a.tokenizer or directory
+        if tok_dir is not None and a.data != "synthetic":
+            from fxpar.data import load_tokenizer
+
+            self.tokenizer = load_tokenizer(tok_dir)
+        self.stream = self._stream(a.data, a.batch)
+        self.eval_data = self._dataset(a.eval_data) if a.eval_data else None
+        if a.eval_data and a.eval_every <= 0 and a.eval_every != -1:
+            raise PlanError(f"--eval-every {a.eval_every}: give a positive number of steps (-1: only at the end)")
+        self.rank, self.world, self.device = init_distributed()  # the first step that talks to peers
+        self.start = 0
+        extra = {}
+        if self.resume is not None:
+            info = checkpoint.info(self.resume)
+            self.start, extra = info["step"], info.get("extra") or {}
+            self.say(f"resuming from {self.resume} (step {self.start})")
+        if "data" in extra:
+            self.stream.load_state_dict(extra["data"])
+        else:  # a checkpoint without a data position: the batches of the steps taken are skipped
+            for _ in range(self.start * self.accum):
+                self.stream.next_batch()
+        self.data_start = self.stream.state_dict()  # where this run's data begins (saved, for a resumed one)
+        self.batch = self._with_inputs(streams.step_batch(self.stream, self.accum))
+        self.compiled = fxpar.compile(model, plan, example_kwargs=self.batch, device=self.device, weights=weights,
+                                      optimizer=optim.adamw_factory(a.lr, a.weight_decay),
+                                      **self._groups(a.weight_decay),
+                                      max_grad_norm=a.max_grad_norm)
+        if self.resume is not None and self.compiled.optimizer is not None:
+            try:  # optimizer states are saved by FQN: they reshard to any plan as the weights do
+                checkpoint.load_optimizer(self.compiled, self.resume)
+            except PlanError as e:  # a checkpoint of an older format, saved under another plan
+                self.say(f"{e}: weights loaded, the optimizer state starts afresh")
+        total = a.steps
+        self.scheduler = optim.make_scheduler(self.compiled.optimizer, a.lr_scheduler,
+                                              optim.warmup_steps(a.warmup, total), total, a.lr)
+        if "scheduler" in extra:
+            self.scheduler.load_state_dict(extra["scheduler"])
+            # building the schedule set the warm-up's first rate: the saved step's rate goes back in
+            for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
+        self.log = M.MetricsLog(a.metrics_out, a.tensorboard, self.rank)
+        self.flops = M.step_flops(self.compiled.program)
+        self.device_model = M.device_model(self.device)
+        self.losses: list[float] = []
+        self.evals: list[dict] = []
+
+    # ---- data ----------------------------------------------------------------------------------------
+    def _dataset(self, path: str):
+        from fxpar.data import DataSpec, TokenDataset
+
+        if self.tokenizer is None:
+            raise PlanError(f"--data/--eval-data {path}: reading files needs a tokenizer: give a model directory "
+                            "that holds one, or --tokenizer DIR")
+        a = self.args
+        spec = DataSpec(path, format=a.format, field=a.field, messages_field=a.messages_field, seq=a.seq,
+                        pack=not a.no_pack)
+        takes_positions = "position_ids" in inspect.signature(self.model.forward).parameters
+        return TokenDataset(spec, self.tokenizer, max_positions=getattr(self.model.config, "max_position_embeddings", None),
+                            position_ids=takes_positions)
+
+    def _stream(self, data: str, batch: int):
+        a = self.args
+        if data == "synthetic":
+            return streams.SyntheticStream(self.model.config.vocab_size, batch, a.seq, a.seed)
+        if not Path(data).is_file():
+            raise PlanError(f"--data {data}: no such file ('synthetic' for random tokens)")
+        if self.tokenizer is None:  # a model without a tokenizer: the file's bytes are the tokens
+            return streams.ByteStream(data, self.model.config.vocab_size, batch, a.seq)
+        return streams.TokenStream(self._dataset(data), batch, a.seed)
+
+    @staticmethod
+    def _groups(weight_decay: float) -> dict:
+        rule = optim.param_groups_rule(weight_decay)
+        return {} if rule is None else {"param_groups": rule}
+
+    @staticmethod
+    def _with_inputs(batch: dict) -> dict:
+        return {**batch, "use_cache": False}
+
+    # ---- running -------------------------------------------------------------------------------------
+    def say(self, *parts, **kw) -> None:
+        if getattr(self, "rank", 0) == 0:
+            print(*parts, **kw)
+
+    def train_step(self, step: int) -> float:
+        from fxpar.runtime.liveness import guard
+
+        if step > self.start:
+            self.batch = self._with_inputs(streams.step_batch(self.stream, self.accum))
+        lr = self.scheduler.get_last_lr()[0]
+        torch.manual_seed(step_seed(self.args.seed, step))  # dropout draws the same masks in a resumed run
+        t0 = time.perf_counter()
+        loss = self.compiled.step(**self.batch).item()
+        dt = time.perf_counter() - t0
+        self.scheduler.step()
+        self.losses.append(loss)
+        a, norm = self.args, self.compiled.last_grad_norm
+        tokens = self.batch["input_ids"].numel()
+        if (step + 1) % a.log_every == 0 or step + 1 == a.steps:
+            mem = M.memory_per_rank(self.compiled)
+            record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / dt,
+                      "step_s": dt, "mem_mib_per_rank": mem,
+                      "mfu": M.mfu(self.flops, dt, self.world, self.device_model)}
+            self.log.write(record)
+            self.say(f"{_bar(step + 1, a.steps)} step {step + 1}/{a.steps}  loss {loss:.4f}  lr {lr:.3g}  "
+                     + (f"grad norm {norm:.4f}  " if norm is not None else "")
+                     + f"{tokens / dt:,.0f} tok/s  mem/rank {max(mem):.1f} MiB", flush=True)
+        if a.save and a.save_every and (step + 1) % a.save_every == 0:
+            from fxpar import checkpoint
+
+            extra = {"scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict()}
+            with guard("saving a checkpoint"):  # a peer lost during the save is named
+                path = checkpoint.save(self.compiled, a.save, step + 1, extra=extra)
+            self.say(f"saved {path}")
+        return loss
+
+    def evaluate(self, step: int) -> dict:
+        """Loss over every evaluation sample once (label tokens weighted alike across batches) and its
+        perplexity; the evaluation batches are global batches like training ones."""
+        from fxpar.data import eval_batches
+
+        total, count = 0.0, 0
+        # the training step's global batch size: the evaluation runs the training program in inference
+        for batch in eval_batches(self.eval_data, self.args.batch * self.accum):
+            n = streams.counted_labels(batch)
+            if n == 0:
+                continue
+            out = self.compiled(**self._with_inputs(batch))
+            total += float(out.loss) * n
+            count += n
+        loss = total / max(count, 1)
+        record = {"step": step, "eval_loss": loss, "eval_ppl": M.perplexity(loss), "eval_tokens": count}
+        self.log.write(record)
+        self.evals.append(record)
+        self.say(f"eval at step {step}: loss {loss:.4f}  perplexity {record['eval_ppl']:.3f}  ({count} tokens)",
+                 flush=True)
+        return record
+
+    def run(self) -> list[float]:
+        import fxpar
+
+        a = self.args
+        self.say(f"plan: {self.plan}  world {self.world}  device {self.device}"
+                 + (f"  accumulation {self.accum}" if self.accum > 1 else ""))
+        if self.rank == 0:
+            self.say(fxpar.inspect(self.compiled, quiet=True).stage_table())
+        if self.eval_data is not None and self.start == 0:
+            self.evaluate(0)
+        for step in range(self.start, a.steps):
+            self.train_step(step)
+            if self.eval_data is not None and a.eval_every > 0 and (step + 1) % a.eval_every == 0 \
+                    and step + 1 != a.steps:
+                self.evaluate(step + 1)
+        if self.eval_data is not None and a.steps > self.start:
+            self.evaluate(a.steps)
+        if a.export:
+            from fxpar import checkpoint
+
+            checkpoint.export_hf(self.compiled, a.export)
+            if self.tokenizer is not None and self.rank == 0:
+                self.tokenizer.save_pretrained(a.export)
+            self.say(f"exported {a.export} (from_pretrained loads it)")
+        if a.losses_out and self.rank == 0:
+            Path(a.losses_out).write_text("\n".join(f"{x!r}" for x in self.losses) + "\n")
+        self.log.close()
+        return self.losses

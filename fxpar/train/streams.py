@@ -1,0 +1,95 @@
+"""Where a fine-tuning run's batches come from, behind one small interface (``next_batch``,
+``state_dict``, ``load_state_dict``):
+
+* :class:`TokenStream`: a tokenizer and local files through :mod:`fxpar.data` (text, JSON lines, chat,
+  parquet; packed or padded), in a deterministic order whose position is saved in checkpoints;
+* :class:`SyntheticStream`: random tokens seeded by the batch's index (benchmarks, smoke tests);
+* :class:`ByteStream`: a text file's UTF-8 bytes as token ids in consecutive windows, for models that
+  come without a tokenizer (zoo names, a bare config.json).
+
+A training step takes ``accum`` batches of ``batch`` sequences and gives them to the compiled model as
+one global batch of ``accum x batch`` rows cut into ``accum`` times the plan's microbatches, so that
+each microbatch has the size it has without accumulation. The loss is the mean over every counted
+label of the ``accum`` batches (fxpar weighs microbatches by their counted labels), which is what
+Trainer computes with gradient accumulation (``num_items_in_batch``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fxpar.ir.errors import PlanError
+
+
+class TokenStream:
+    def __init__(self, data, batch: int, seed: int, shuffle: bool = True):
+        from fxpar.data import Batches
+
+        self.dataset = data
+        self.batches = Batches(data, batch=batch, seed=seed, shuffle=shuffle)
+
+    def next_batch(self) -> dict:
+        return dict(next(self.batches))
+
+    def state_dict(self) -> dict:
+        return {"kind": "tokens", **self.batches.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        if state.pop("kind", None) != "tokens":
+            raise PlanError("the checkpoint's data position belongs to another kind of data (synthetic or bytes); "
+                            "resume with the data it was saved with")
+        self.batches.load_state_dict(state)
+
+
+class SyntheticStream:
+    def __init__(self, vocab: int, batch: int, seq: int, seed: int):
+        self.vocab, self.batch, self.seq, self.seed, self.index = vocab, batch, seq, seed, 0
+
+    def next_batch(self) -> dict:
+        g = torch.Generator().manual_seed(self.seed + self.index)
+        self.index += 1
+        ids = torch.randint(0, self.vocab, (self.batch, self.seq), generator=g)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    def state_dict(self) -> dict:
+        return {"kind": "synthetic", "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index = int(state["index"])
+
+
+class ByteStream:
+    def __init__(self, path: str, vocab: int, batch: int, seq: int):
+        raw = Path(path).read_bytes()
+        self.raw = torch.tensor(list(raw), dtype=torch.long) % vocab
+        self.need, self.batch, self.seq, self.index = batch * seq, batch, seq, 0
+        if self.raw.numel() < self.need:
+            raise PlanError(f"--data {path} has {self.raw.numel()} bytes, fewer than one batch ({batch} x {seq}); "
+                            "give a longer file, or a smaller --batch / --seq")
+
+    def next_batch(self) -> dict:
+        per = self.raw.numel() // self.need
+        pos = (self.index % per) * self.need
+        self.index += 1
+        ids = self.raw[pos:pos + self.need].view(self.batch, self.seq)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    def state_dict(self) -> dict:
+        return {"kind": "bytes", "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index = int(state["index"])
+
+
+def step_batch(stream, accum: int) -> dict:
+    """``accum`` batches of ``stream`` as one global batch (rows concatenated in order)."""
+    parts = [stream.next_batch() for _ in range(accum)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def counted_labels(batch: dict) -> int:
+    """Label tokens a causal LM's loss counts in ``batch`` (shifted by one, -100 excluded)."""
+    return int((batch["labels"][..., 1:] != -100).sum())

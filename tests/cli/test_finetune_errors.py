@@ -1,0 +1,71 @@
+"""``fxpar train`` refuses bad input with one clear message before any rank communicates: the process
+group is never joined (``init_distributed`` is replaced by a trap here), the exit code is 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from fxpar.testing.hfdir import CHAT_FILE, make_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("model"), "llama")
+
+
+@pytest.fixture
+def no_communication(monkeypatch):
+    import fxpar.launch
+
+    def trap(*a, **k):
+        raise AssertionError("init_distributed was reached: the error came after communication could start")
+
+    monkeypatch.setattr(fxpar.launch, "init_distributed", trap)
+
+
+def _train(argv, capsys) -> str:
+    from fxpar.cli import train
+
+    assert train.main(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_directory_without_weights(tmp_path, model_dir, no_communication, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / f, bare / f)
+    err = _train([str(bare), "--data", str(CHAT_FILE)], capsys)
+    assert f"model directory {bare} has no weights" in err and "save_pretrained" in err
+
+
+def test_dataset_without_the_named_field(tmp_path, model_dir, no_communication, capsys):
+    data = tmp_path / "notes.jsonl"
+    data.write_text("\n".join(json.dumps({"body": f"note {i}"}) for i in range(8)) + "\n")
+    err = _train([str(model_dir), "--data", str(data), "--format", "json"], capsys)
+    assert str(data) in err and "text" in err and "body" in err and "--field" in err
+
+
+def test_chat_file_for_a_tokenizer_without_a_chat_template(tmp_path, model_dir, no_communication, capsys):
+    plain = tmp_path / "plain"
+    shutil.copytree(model_dir, plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    err = _train([str(plain), "--data", str(CHAT_FILE)], capsys)
+    assert "chat template" in err and str(CHAT_FILE) in err
+
+
+def test_sequence_longer_than_the_model_allows(model_dir, no_communication, capsys):
+    err = _train([str(model_dir), "--data", str(CHAT_FILE), "--seq", "256"], capsys)
+    assert "256" in err and "128" in err  # the tiny checkpoint has 128 positions
+
+
+def test_bad_schedule_and_accumulation(model_dir, no_communication, capsys):
+    assert "--grad-accum 0" in _train([str(model_dir), "--grad-accum", "0"], capsys)
+    err = _train([str(model_dir), "--lr-scheduler", "cosine_wobble"], capsys)
+    assert "cosine_wobble" in err and "cosine" in err
