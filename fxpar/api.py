@@ -25,6 +25,7 @@ from fxpar.frontend.lower import program_from_exported
 from fxpar.ir.batch import batch_size, split_batch
 from fxpar.ir.errors import TraceError
 from fxpar.ir.mesh import MeshSpec
+from fxpar.ir.optim import ParamGroups
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.schedule import build_schedule
@@ -92,9 +93,10 @@ class _Builder:
     """Compiles one input signature for this rank: trace one microbatch, cut, run the passes, predict."""
 
     def __init__(self, model, plan: Plan, mesh: MeshSpec, setup, actions, device, device_model: DeviceModel,
-                 frontend: str, weights: WeightSource | None):
+                 frontend: str, weights: WeightSource | None, groups: ParamGroups | None = None):
         self.model, self.plan, self.mesh, self.setup, self.actions = model, plan, mesh, setup, actions
         self.device, self.device_model, self.frontend, self.weights = device, device_model, frontend, weights
+        self.groups = groups  # the optimizer's parameter groups: ZeRO-3 buckets never mix them
         self.on_meta = any(p.is_meta for p in model.parameters())
         self.cuts: list[tuple[str, str]] | None = None
         self.shared: dict = {}  # tensors every signature shares (TP shards, ZeRO-3 shards, loaded weights)
@@ -124,7 +126,7 @@ class _Builder:
                 self.cuts = balanced_cuts(program, setup.n_stages, self.device_model)
         ctx = passes.PassContext(plan, self.mesh, self.device, cuts=self.cuts, stage_to_rank=list(setup.stage_to_rank),
                                  load=self._load if self.weights is not None else None, traced_on_meta=self.on_meta,
-                                 shared=self.shared)
+                                 shared=self.shared, param_group=self.groups.index if self.groups else None)
         local, pipeline = passes.run(program, ctx)
         if self.weights is not None:
             self.weights.done()
@@ -144,7 +146,7 @@ def _world() -> tuple[int, int]:
 def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
             *, optimizer=None, device=None, device_model: DeviceModel = H100, frontend: str = "auto",
             timeout: float | None = None, program: Program | None = None, weights=None,
-            max_grad_norm: float | None = None) -> CompiledModel:
+            max_grad_norm: float | None = None, param_groups=None) -> CompiledModel:
     """Compile ``model`` for ``plan`` on this rank (call it on every rank with the same arguments).
 
     ``example_kwargs`` is one full batch (labels included for training); ``optimizer`` a factory
@@ -164,8 +166,17 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     ZeRO shards, each entry once) to it after their sync, as ``torch.nn.utils.clip_grad_norm_`` before the
     optimizer step; ``float('inf')`` only measures it. The norm before clipping is
     ``compiled.last_grad_norm`` (see :mod:`fxpar.runtime.grad_norm`).
+
+    ``param_groups``: ``rule(fqn, param) -> dict``, the options of the optimizer parameter group a parameter
+    belongs to (``{}``: the factory's defaults; ``fxpar.ir.optim.decay_rule(0.01)``: HF Trainer's weight
+    decay, none on biases and norms); it sees each parameter once, under its canonical FQN, whole (meta is
+    fine). Parameters with equal options share a group; the factory then gets torch's group form
+    ``[{"params": [...], **options}, ...]`` with every group of the model in order of first appearance, on
+    every rank the same list (a group this rank holds nothing of has no params), ZeRO flat shards in their
+    bucket's group (ZeRO buckets never mix groups). Without it the factory gets a plain list.
     """
     check_max_grad_norm(max_grad_norm)  # before any communication
+    groups = ParamGroups.from_rule(model, param_groups) if param_groups is not None else None
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     if plan.fused_loss:  # the fused loss's kernels (loaded on demand: the module imports triton)
         import fxpar.runtime.kernels.cross_entropy  # noqa: F401
@@ -181,12 +192,12 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
         return _compile(model, plan, MeshSpec.for_plan(plan, rank), example_args, example_kwargs,
                         optimizer=optimizer, device=device, device_model=device_model, frontend=frontend,
                         timeout=timeout, program=program, weights=weights, dry=False,
-                        max_grad_norm=max_grad_norm)
+                        max_grad_norm=max_grad_norm, groups=groups)
 
 
 def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
           *, rank: int = 0, optimizer=None, device_model: DeviceModel = H100, frontend: str = "auto",
-          weights=None) -> CompiledModel:
+          weights=None, param_groups=None) -> CompiledModel:
     """What ``plan`` does on rank ``rank`` of its world, built on this one process without any process
     group: stages, placements, collectives, buckets, memory and predicted times (``fxpar.inspect`` reads
     them). The result cannot run; ``step`` and ``__call__`` raise."""
@@ -194,15 +205,15 @@ def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), ex
     mesh = MeshSpec.for_plan(plan, rank)
     return _compile(model, plan, mesh, example_args, example_kwargs, optimizer=optimizer, device=None,
                     device_model=device_model, frontend=frontend, timeout=None, program=None, weights=weights,
-                    dry=True)
+                    dry=True, groups=ParamGroups.from_rule(model, param_groups) if param_groups is not None else None)
 
 
 def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *, optimizer, device, device_model,
              frontend, timeout, program, weights, dry: bool,
-             max_grad_norm: float | None = None) -> CompiledModel:
+             max_grad_norm: float | None = None, groups: ParamGroups | None = None) -> CompiledModel:
     example_kwargs = dict(example_kwargs or {})
     timeout = float(timeout if timeout is not None else os.environ.get("FXPAR_TIMEOUT", 300))
-    feasibility.check_optimizer_factory(plan, optimizer)
+    feasibility.check_optimizer_factory(plan, optimizer, groups)
     feasibility.warn_zero_with_pipeline(plan)
     device = torch.device(device) if device is not None else torch.device("cpu")
     flat, _ = pytree.tree_flatten((tuple(example_args), example_kwargs))
@@ -211,9 +222,9 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
     source = WeightSource(model, weights, rank=mesh.tp_rank) if weights is not None else None
     dp_axis = "dp_shard" if plan.zero else "dp_replicate"
     device_mesh = None if dry or mesh.world_size == 1 else mesh_groups(mesh, device.type, dp_axis)  # communicates
-    builder = _Builder(model, plan, mesh, setup, actions, device, device_model, frontend, source)
+    builder = _Builder(model, plan, mesh, setup, actions, device, device_model, frontend, source, groups)
     return CompiledModel(builder, model, plan, mesh, setup, actions, example_args, example_kwargs, optimizer,
                          device=device, timeout=timeout, device_mesh=device_mesh, program=program, dry=dry,
                          predict_memory=lambda n, states: memory_per_rank(n, plan.zero, plan.dp, states),
                          lower_collectives=lower_collectives,  # for Plan(compile=True); runtime never imports passes
-                         max_grad_norm=max_grad_norm)
+                         max_grad_norm=max_grad_norm, param_groups=groups)

@@ -60,6 +60,7 @@ def _zero3(stage, ctx: PassContext):
     buckets = zero3(stage.gm, stage.params, ctx.mesh.dp, ctx.mesh.dp_rank, group=ctx.group("dp"),
                     bucket_bytes=int((plan.bucket_mb or 0) * 2**20), prefetch=plan.prefetch,
                     cache=ctx.shared.setdefault("zero3", {}),
+                    group_of=ctx.param_group,
                     compute_dtype=torch.bfloat16 if plan.mixed_precision == "bf16" else None,
                     comm_dtype=f"{plan.comm_dtype}+grads" if plan.quantize_grads else plan.comm_dtype)
     ctx.out.zero3_buckets.setdefault(stage.index, buckets)

@@ -63,6 +63,7 @@ class PassContext:
     stage_to_rank: list[int] | None = None
     load: Callable | None = None  # (fqns, layout, like) -> this rank's tensor; a meta model's weights
     traced_on_meta: bool = False
+    param_group: Callable | None = None  # FQN -> its optimizer parameter group (ZeRO-3 buckets never mix)
     shared: dict = field(default_factory=dict)
     disabled: frozenset[str] = field(default_factory=lambda: _env_set("FXPAR_DISABLE_PASSES"))
     dump_dir: Path | None = field(default_factory=lambda: _env_path("FXPAR_DUMP_DIR"))

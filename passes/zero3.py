@@ -18,6 +18,8 @@ ZeRO-3 is this pass and ``fxpar.runtime.zero3``, nothing else. A bucket's flat l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.fx
 
@@ -39,38 +41,49 @@ class Zero3Bucket(FlatBucket):
         self.shard = torch.nn.Parameter(flat[lo:hi].clone(), requires_grad=any(t.requires_grad for t in tensors))
 
 
-def buckets_of(names: list[str], tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+def buckets_of(names: list[str], tensors: dict[str, torch.Tensor], bucket_bytes: int,
+               group_of: Callable[[str], int] | None = None) -> list[list[str]]:
     """Parameters in first-use order, grouped by layer, consecutive layers merged while under
-    ``bucket_bytes`` (0: one bucket per layer). Parameters of different dtypes never share a bucket."""
-    groups: list[list[str]] = []
+    ``bucket_bytes`` (0: one bucket per layer). Parameters of different dtypes never share a bucket, nor
+    do those of different optimizer parameter groups (``group_of``: FQN -> group): each group of a layer
+    is a bucket of its own, and merging joins buckets of one group."""
+    group = group_of if group_of is not None else (lambda n: 0)
+
+    def nbytes(ns):
+        return sum(tensors[n].numel() * tensors[n].element_size() for n in ns)
+    runs: list[list[str]] = []
+    open_: dict[int, list[str]] = {}  # group -> its run in the current layer
     for name in names:
-        if groups and (layer_of(groups[-1][-1]) == layer_of(name)
-                       and tensors[groups[-1][-1]].dtype == tensors[name].dtype):
-            groups[-1].append(name)
-        else:
-            groups.append([name])
+        cur = open_.get(group(name))
+        if cur is None or layer_of(cur[-1]) != layer_of(name) or tensors[cur[-1]].dtype != tensors[name].dtype:
+            cur = open_[group(name)] = []
+            runs.append(cur)
+        cur.append(name)
     merged: list[list[str]] = []
-    for g in groups:
-        size = sum(tensors[n].numel() * tensors[n].element_size() for n in g)
-        if merged and bucket_bytes and tensors[merged[-1][-1]].dtype == tensors[g[0]].dtype and \
-                sum(tensors[n].numel() * tensors[n].element_size() for n in merged[-1]) + size <= bucket_bytes:
-            merged[-1].extend(g)
+    open_ = {}
+    for run in runs:
+        cur = open_.get(group(run[0]))
+        if cur is not None and bucket_bytes and tensors[cur[-1]].dtype == tensors[run[0]].dtype and \
+                nbytes(cur) + nbytes(run) <= bucket_bytes:
+            cur.extend(run)
         else:
-            merged.append(list(g))
+            cur = open_[group(run[0])] = list(run)
+            merged.append(cur)
     return merged
 
 
 def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, group: str = "dp",
           bucket_bytes: int = 0, prefetch: int = 1, compute_dtype: torch.dtype | None = None,
           cache: dict[tuple, Zero3Bucket] | None = None,
-          comm_dtype: str | None = None) -> list[Zero3Bucket]:
+          comm_dtype: str | None = None, group_of: Callable[[str], int] | None = None) -> list[Zero3Bucket]:
     """Rewrite ``gm`` (a stage) so its parameters ``params`` (FQNs) are gathered from dp shards.
 
     ``compute_dtype``: gather (and compute with) parameters in this dtype, e.g. bf16 mixed precision;
     the shards stay in their own dtype (fp32 master weights) and so do gradient reductions.
     ``cache``: buckets from another signature of the same stage (training and inference share shards).
     ``comm_dtype``: the gathers' wire format (``"int8"``, ``"int8+grads"``: :mod:`fxpar.ir.wire`); None
-    writes the 4-argument node, full precision.
+    writes the 4-argument node, full precision. ``group_of``: FQN -> optimizer parameter group; a bucket
+    holds one group's parameters only (its flat shard goes into that group).
     Returns the stage's buckets; their ``shard`` parameters are what the optimizer updates."""
     cache = {} if cache is None else cache
     graph = gm.graph
@@ -80,7 +93,7 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
     trainable = [n for n in order if tensors[n].requires_grad]
     buckets = []
     gathers: list[torch.fx.Node] = []
-    for i, names in enumerate(buckets_of(trainable, tensors, bucket_bytes)):
+    for i, names in enumerate(buckets_of(trainable, tensors, bucket_bytes, group_of)):
         key = tuple(names)
         bucket = cache.get(key)
         if bucket is None:

@@ -26,6 +26,9 @@ over the dp group (no division).
   ``fxpar.runtime.zero3``'s).
 
 Buckets use the flat layout of :class:`~fxpar.ir.buckets.FlatBucket`, the one ZeRO-3's buckets use.
+With optimizer parameter groups (:class:`~fxpar.ir.optim.ParamGroups`) a bucket holds one group's
+parameters only (a new bucket starts where the group changes), so each ZeRO-1/2 flat shard lies in one
+group; the factory gets every group of the model, in order, empty ones included.
 
 Flat shards work only for optimizers whose update is elementwise per parameter entry (SGD, Adam,
 AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam): ZeRO refuses others before any communication.
@@ -39,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.ir.buckets import FlatBucket
-from fxpar.ir.optim import check_optimizer
+from fxpar.ir.optim import ParamGroups, check_optimizer, make_optimizer
 from fxpar.runtime.collectives import all_gather_single
 from fxpar.runtime.groups import resolve_group
 
@@ -90,36 +93,32 @@ class DataParallelEngine:
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], optimizer_factory, *, dp: int,
                  rank: int, zero: int, group: str = "dp", bucket_bytes: int = 25 * 2**20, overlap: bool = True,
-                 offload: bool = False, first_bucket_bytes: int | None = None):
+                 offload: bool = False, first_bucket_bytes: int | None = None,
+                 param_groups: ParamGroups | None = None, group_of: dict[int, int] | None = None):
+        """``param_groups``: the model's groups; ``group_of``: id(parameter) -> its group (with them)."""
         self.dp, self.rank, self.zero, self.group = dp, rank, zero, group
         self.overlap = overlap  # (offload with zero other than 1 or 2 is refused by Plan itself)
         self.home = torch.device("cpu") if offload else None  # where shards and optimizer states live
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in named]
+        group = (lambda p: group_of[id(p)]) if param_groups is not None else (lambda p: 0)
         self.buckets: list[_Bucket] = []
         if zero < 3:
             # torch DDP's first-bucket cap (1 MiB): the first gradients backward makes go out at once
             first = min(bucket_bytes, getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20)
                         if first_bucket_bytes is None else first_bucket_bytes)
-            current: list = []
-            size = 0
-            for name, p in reversed(named):  # backward makes the last layers' gradients first
-                cap = first if not self.buckets else bucket_bytes
-                if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0][1].dtype):
-                    self.buckets.append(_Bucket(current, dp, rank, keep=zero < 2))
-                    current, size = [], 0
-                current.append((name, p))
-                size += p.numel() * p.element_size()
-            if current:
-                self.buckets.append(_Bucket(current, dp, rank, keep=zero < 2))
+            sharded = zero in (1, 2)  # only flat shards need one group per bucket (DDP steps whole parameters)
+            self.buckets = [_Bucket(ps, dp, rank, keep=zero < 2)
+                            for ps in bucket_params(named, first, bucket_bytes, group if sharded else None)]
         self.slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         if zero in (1, 2):
             for b in self.buckets:
                 b.shard = torch.nn.Parameter(b.local_flat(False)[b.lo:b.hi].float().clone().to(self.home or
                                                                                                 b.params[0].device))
-            self.optimizer = optimizer_factory([b.shard for b in self.buckets]) if self.buckets else None
+            self.optimizer = make_optimizer(optimizer_factory, [b.shard for b in self.buckets], param_groups,
+                                            [group(b.params[0]) for b in self.buckets])
         else:
-            self.optimizer = optimizer_factory(self.params) if self.params else None
+            self.optimizer = make_optimizer(optimizer_factory, self.params, param_groups, list(map(group, self.params)))
         if self.optimizer is not None:
             check_optimizer(self.optimizer, zero)
         self.comm: dict[str, int] = {"all_reduce": 0, "all_gather": 0}  # payload bytes in the last step
@@ -179,8 +178,11 @@ class DataParallelEngine:
         for i in range(len(b.params)):
             if i not in b.filled:  # the gradients not copied at their hook (first step, no overlap, none)
                 b.fill(i)
-        b.work = dist.all_reduce(b.flat, group=resolve_group(self.group), async_op=True)
-        self.comm["all_reduce"] += b.flat.numel() * b.flat.element_size()
+        if self.dp == 1:  # nothing to reduce
+            b.work = _DONE
+        else:
+            b.work = dist.all_reduce(b.flat, group=resolve_group(self.group), async_op=True)
+            self.comm["all_reduce"] += b.flat.numel() * b.flat.element_size()
         if self.zero == 2:  # the bucket holds the gradients now; the full ones go
             for p in b.params:
                 p.grad = None
@@ -188,8 +190,8 @@ class DataParallelEngine:
     # ---- after backward ---------------------------------------------------------------------------
     def finish(self) -> None:
         """Wait for (or issue) every bucket's reduction and leave each gradient where the optimizer reads it."""
-        if self.dp == 1 or self.zero == 3:
-            return
+        if self.zero == 3 or (self.dp == 1 and self.zero == 0):
+            return  # (ZeRO-1/2 at dp=1, e.g. pp x tp on every rank: the gradients still go to the flat shards)
         if self.expected is None:
             self.expected = self.learned[self.key] = dict(self.counts)
         for b in self.buckets:
@@ -224,9 +226,12 @@ class DataParallelEngine:
             return
         self.optimizer.step()
         if self.zero in (1, 2):
-            pg = resolve_group(self.group)
+            pg = resolve_group(self.group) if self.dp > 1 else None
             for b in self.buckets:
                 device = b.params[0].device  # gathered where the parameters live (back from CPU if offloaded)
+                if self.dp == 1:  # the shard is the whole bucket
+                    b.scatter_into(b.shard.detach().to(device))
+                    continue
                 full = torch.empty(b.shard_numel * self.dp, dtype=b.shard.dtype, device=device)
                 all_gather_single(full, b.shard.detach().to(device), group=pg)
                 self.comm["all_gather"] += full.numel() * full.element_size()
@@ -236,6 +241,35 @@ class DataParallelEngine:
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer states (now)."""
         return held_bytes(self.params, self.optimizer, [b.shard for b in self.buckets if b.shard is not None])
+
+
+def bucket_params(named: list, first: int, bucket_bytes: int, group=None) -> list[list]:
+    """``named`` (name, parameter) in buckets, in the order backward makes the gradients (the last layers'
+    first): a bucket closes at ``bucket_bytes`` (the first one at ``first``) or where the dtype changes.
+    ``group`` (parameter -> optimizer group): each group fills buckets of its own, side by side, so a
+    bucket holds one group only without cutting the others' buckets at every change of group."""
+    out: list[list] = []
+    open_: dict[int, tuple[list, list]] = {}  # group -> (its open bucket, [bytes in it, its cap])
+    for name, p in reversed(named):
+        g = group(p) if group is not None else 0
+        nbytes = p.numel() * p.element_size()
+        cur = open_.get(g)
+        if cur is None or cur[0] and (cur[1][0] + nbytes > cur[1][1] or p.dtype != cur[0][0][1].dtype):
+            cur = open_[g] = ([], [0, first if not out else bucket_bytes])
+            out.append(cur[0])
+        cur[0].append((name, p))
+        cur[1][0] += nbytes
+    return out
+
+
+class _Done:
+    """The work handle of a reduction that needs no communication (dp=1)."""
+
+    def wait(self) -> None:
+        return None
+
+
+_DONE = _Done()
 
 
 def held_bytes(params, optimizer, shards=()) -> dict[str, int]:

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from fxpar.ir.batch import batch_size, check_shapes, loss_weights, split_batch
 from fxpar.ir.errors import PlanError
 from fxpar.ir.mesh import MeshSpec
-from fxpar.ir.optim import state_count
+from fxpar.ir.optim import ParamGroups, make_optimizer, state_count
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.stage import CompileResult, PipelineProgram
@@ -48,7 +48,7 @@ class CompiledModel:
                  example_args, example_kwargs, optimizer, *, device: torch.device, timeout: float,
                  device_mesh=None, program: Program | None = None, predict_memory: Callable | None = None,
                  dry: bool = False, lower_collectives: Callable | None = None,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, param_groups: ParamGroups | None = None):
         self.model, self.plan, self.spec, self.setup = model, plan, mesh, setup
         self.mesh = device_mesh  # torch's DeviceMesh (None on one rank, or when only pricing the plan)
         self.world, self.rank = mesh.world_size, mesh.rank
@@ -63,16 +63,8 @@ class CompiledModel:
         self._train = self.programs.get(example_args, example_kwargs, program)[0]
         self._tied_groups = make_tied_groups(self._train.pipeline, mesh, self.stage_to_rank, create=not dry)
         named = self._my_named_parameters(self._train.pipeline)
-        self.engine = None
-        if plan.dp > 1 or plan.zero:
-            self.engine = DataParallelEngine(named, optimizer, dp=plan.dp, rank=self.dp_rank, zero=plan.zero,
-                                             group=mesh.group_name("dp"),
-                                             bucket_bytes=int((plan.bucket_mb or 25) * 2**20),
-                                             overlap=not self._tied_groups, offload=plan.offload)
-            self.optimizer = self.engine.optimizer
-        else:  # a rank whose stages hold no parameter (possible with tiny models) has nothing to optimise
-            mine = [p for _, p in named]
-            self.optimizer = optimizer(mine) if optimizer is not None and mine else None
+        self.engine, self.optimizer = make_engine(named, optimizer, param_groups, self._train, plan, mesh,
+                                                  overlap=not self._tied_groups)
         self.clipper = make_clipper(max_grad_norm, self._train, mesh, named, self.engine, device)
 
     # ---- building ----------------------------------------------------------------------------------
@@ -131,13 +123,10 @@ class CompiledModel:
         out = runtime.run(self._mine(every), train=True, loss_weights=weights)
         sum_tied_grads(self._tied_groups, result.program, self.pp_rank)
         loss_stage = next(s for s in result.pipeline.stages if result.pipeline.loss_output in s.final)
-        loss = torch.zeros((), device=self.device)
-        if out.losses:
-            loss = sum(out.losses[i].detach() for i in sorted(out.losses)).to(self.device).reshape(())
+        loss = sum((out.losses[i].detach() for i in sorted(out.losses)), torch.zeros(())).to(self.device).reshape(())
         work = None
         if self.world > 1:  # the loss stage's TP rank 0 of every replica holds its share of the global loss
-            if not (loss_stage.rank == self.pp_rank and self.tp_rank == 0):
-                loss.zero_()
+            loss.mul_(float(loss_stage.rank == self.pp_rank and self.tp_rank == 0))
             work = dist.all_reduce(loss, async_op=True)  # in flight while the gradients sync and the optimizer steps
         if self.engine is not None:
             self.engine.finish()
@@ -175,8 +164,10 @@ class CompiledModel:
                 if val.dim() > 0:
                     n = val.shape[0] * self.m
                     full[self.dp_rank * n:(self.dp_rank + 1) * n] = torch.cat(parts)
-                else:
-                    full = (sum(parts) / (self.m * self.dp)).to(val.dtype)
+                else:  # a scalar; the loss weighs each microbatch by its share of the batch's counted labels
+                    w = (self._mine(loss_weights(result.program, every, self.model)) if j == pipeline.loss_output
+                         else [1 / (self.m * self.dp)] * self.m)
+                    full = sum((a * b for a, b in zip(w, parts) if a), torch.zeros((), device=self.device)).to(val.dtype)
             if self.world > 1:
                 dist.all_reduce(full)
             outs.append(full)
@@ -242,3 +233,23 @@ class CompiledModel:
     def zero3_buckets(self) -> dict[int, list]:
         return self._train.zero3_buckets
 
+
+def make_engine(named, factory, groups: ParamGroups | None, result: CompileResult, plan: Plan, mesh: MeshSpec,
+                overlap: bool):
+    """(the data-parallel engine or None, the optimizer or None) for this rank's parameters ``named``. With
+    ``groups``, each parameter's group is its FQN's (a ZeRO-3 flat shard's: its bucket's, one group)."""
+    group_of = None
+    if groups is not None:
+        canonical = {id(b.shard): b.names[0] for bs in result.zero3_buckets.values() for b in bs}
+        mixed = [b.names for bs in result.zero3_buckets.values() for b in bs if len(set(map(groups.index, b.names))) > 1]
+        if mixed:  # the ZeRO-3 pass splits buckets by group; a mixed one would step some entries wrongly
+            raise RuntimeError(f"fxpar.runtime.model: ZeRO-3 buckets {mixed[:2]} mix optimizer parameter groups")
+        group_of = {id(p): groups.index(canonical.get(id(p), n)) for n, p in named}
+    if plan.dp > 1 or plan.zero:
+        engine = DataParallelEngine(named, factory, dp=plan.dp, rank=mesh.dp_rank, zero=plan.zero,
+                                    group=mesh.group_name("dp"), bucket_bytes=int((plan.bucket_mb or 25) * 2**20),
+                                    overlap=overlap, offload=plan.offload, param_groups=groups, group_of=group_of)
+        return engine, engine.optimizer
+    # a rank whose stages hold no parameter (possible with tiny models) has nothing to optimise
+    mine = [p for _, p in named]
+    return None, make_optimizer(factory, mine, groups, [group_of[id(p)] for p in mine] if groups else None)

@@ -16,7 +16,7 @@ import torch
 from fxpar.ir import schedule as sched
 from fxpar.ir.batch import traced_batch
 from fxpar.ir.errors import PlanError
-from fxpar.ir.optim import check_optimizer
+from fxpar.ir.optim import ParamGroups, check_optimizer, make_optimizer
 from fxpar.ir.plan import Plan
 
 
@@ -54,12 +54,19 @@ def check_world(plan: Plan, world: int) -> None:
                     f"{world}: {how}", values={"ranks needed": need, "world": world})
 
 
-def check_optimizer_factory(plan: Plan, optimizer) -> None:
-    """Data parallelism needs the optimizer; ZeRO refuses one it cannot shard (tried on a dummy)."""
+def check_optimizer_factory(plan: Plan, optimizer, groups: ParamGroups | None = None) -> None:
+    """Data parallelism and parameter groups need the optimizer; ZeRO refuses one it cannot shard. The
+    factory is tried on dummies: one parameter, or with ``groups`` one per group in torch's group form."""
     if (plan.dp > 1 or plan.zero) and optimizer is None:
         raise PlanError("data parallelism and ZeRO need the optimizer: pass optimizer=lambda params: ...")
-    if plan.zero and optimizer is not None:
-        check_optimizer(optimizer([torch.nn.Parameter(torch.zeros(1))]), plan.zero)
+    if groups is not None and optimizer is None:
+        raise PlanError("fxpar.compile: param_groups sorts the parameters into the optimizer's groups, but no "
+                        "optimizer was given: pass optimizer=lambda groups: torch.optim.AdamW(groups, ...)")
+    if (plan.zero or groups is not None) and optimizer is not None:
+        dummies = [torch.nn.Parameter(torch.zeros(1)) for _ in range(len(groups) if groups else 1)]
+        opt = make_optimizer(optimizer, dummies, groups, range(len(dummies)))
+        if plan.zero:
+            check_optimizer(opt, plan.zero)
 
 
 def warn_zero_with_pipeline(plan: Plan) -> None:

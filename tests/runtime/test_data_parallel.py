@@ -201,3 +201,23 @@ def test_bf16_mixed_precision_gathers_bf16_and_keeps_fp32_masters(pool2):
         assert r["ref"][0] != r["fp32_loss"]  # autocast really computes in bf16
         # bf16 sums in another order: the same trajectory to bf16 precision
         assert max(abs(a - b) for a, b in zip(r["losses"], r["ref"])) <= 2e-2, r
+
+
+def test_zero_1_and_2_on_one_replica_still_train():
+    """ZeRO-1/2 with dp=1 (a pp x tp plan on every rank, say): the shard is the whole bucket; the
+    gradients reach it and the updated values come back without a collective (single process, no
+    process group)."""
+    out = dp_training_one_replica()
+    assert sorted(out) == [1, 2]
+    for zero, x in out.items():
+        assert x["loss"] <= TOL and x["weights"] <= TOL, (zero, x)
+
+
+def dp_training_one_replica() -> dict:
+    batch = zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=2, seq=8)
+    trajectory = reference_trajectory(zoo.build("llama", seed=0), adamw, batch, STEPS)
+    out = {}
+    for zero in (1, 2):
+        compiled = fxpar.compile(zoo.build("llama", seed=0), f"zero={zero}", example_kwargs=batch, optimizer=adamw)
+        out[zero] = compare_trajectory(compiled, trajectory, batch)
+    return out
