@@ -30,6 +30,7 @@ class Recipe:
     max_grad_norm: float = 1.0
     seed: int = 0
     pack: bool = True
+    eval_data: str | None = None
 
     def argv(self, plan: str) -> list[str]:
         """``fxpar train`` arguments for this recipe under ``plan``."""
@@ -37,15 +38,16 @@ class Recipe:
                str(self.batch), "--grad-accum", str(self.accum), "--seq", str(self.seq), "--lr", str(self.lr),
                "--lr-scheduler", self.scheduler, "--warmup", str(self.warmup), "--weight-decay",
                str(self.weight_decay), "--max-grad-norm", str(self.max_grad_norm), "--seed", str(self.seed)]
+        out += ["--eval-data", self.eval_data, "--eval-every", "-1"] if self.eval_data else []
         return out + ([] if self.pack else ["--no-pack"])
 
-    def dataset(self, model):
+    def dataset(self, model, path: str | None = None):
         import inspect
 
         from fxpar.data import DataSpec, TokenDataset, load_tokenizer
 
         tok = load_tokenizer(self.model_dir)
-        spec = DataSpec(self.data, seq=self.seq, pack=self.pack)
+        spec = DataSpec(path or self.data, seq=self.seq, pack=self.pack)
         return TokenDataset(spec, tok, max_positions=model.config.max_position_embeddings,
                             position_ids="position_ids" in inspect.signature(model.forward).parameters)
 
@@ -56,9 +58,23 @@ class Recipe:
         return set(Trainer.get_decay_parameter_names(None, model)) if self.weight_decay else set()
 
 
+@torch.no_grad()
+def evaluate(model, dataset, batch: int) -> float:
+    """Mean loss over every label token of ``dataset`` (each sample once)."""
+    from fxpar.data import eval_batches
+
+    total, count = 0.0, 0
+    for b in eval_batches(dataset, batch):
+        n = int((b["labels"][..., 1:] != -100).sum())
+        if n:
+            total += model(**b, use_cache=False).loss.item() * n
+            count += n
+    return total / count
+
+
 def reference_losses(recipe: Recipe) -> dict[str, list[float]]:
     """The plain loop: per optimizer step, the loss (mean over the step's label tokens) and the global
-    gradient norm before clipping."""
+    gradient norm before clipping; with ``eval_data``, the evaluation loss before and after."""
     from transformers import AutoModelForCausalLM, get_scheduler
 
     from fxpar.data import Batches
@@ -72,7 +88,10 @@ def reference_losses(recipe: Recipe) -> dict[str, list[float]]:
               {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=recipe.lr, betas=(0.9, 0.999), eps=1e-8)
     sched = get_scheduler(recipe.scheduler, opt, num_warmup_steps=recipe.warmup, num_training_steps=recipe.steps)
-    losses, norms = [], []
+    losses, norms, evals = [], [], []
+    held_out = recipe.dataset(model, recipe.eval_data) if recipe.eval_data else None
+    if held_out is not None:
+        evals.append(evaluate(model, held_out, recipe.batch * recipe.accum))
     for _ in range(recipe.steps):
         parts = [dict(next(batches)) for _ in range(recipe.accum)]
         items = sum(int((p["labels"][..., 1:] != -100).sum()) for p in parts)
@@ -86,4 +105,6 @@ def reference_losses(recipe: Recipe) -> dict[str, list[float]]:
         opt.step()
         sched.step()
         losses.append(total)
-    return {"losses": losses, "norms": norms}
+    if held_out is not None:
+        evals.append(evaluate(model, held_out, recipe.batch * recipe.accum))
+    return {"losses": losses, "norms": norms, "evals": evals}

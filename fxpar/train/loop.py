@@ -101,7 +101,7 @@ class FineTune:
         self.batch = self._with_inputs(streams.step_batch(self.stream, self.accum))
         self.compiled = fxpar.compile(model, plan, example_kwargs=self.batch, device=self.device, weights=weights,
                                       optimizer=optim.adamw_factory(a.lr, a.weight_decay),
-                                      **self._groups(a.weight_decay),
+                                      param_groups=optim.param_groups_rule(a.weight_decay),
                                       max_grad_norm=a.max_grad_norm)
         if self.resume is not None and self.compiled.optimizer is not None:
             try:  # optimizer states are saved by FQN: they reshard to any plan as the weights do
@@ -145,11 +145,6 @@ class FineTune:
         if self.tokenizer is None:  # a model without a tokenizer: the file's bytes are the tokens
             return streams.ByteStream(data, self.model.config.vocab_size, batch, a.seq)
         return streams.TokenStream(self._dataset(data), batch, a.seed)
-
-    @staticmethod
-    def _groups(weight_decay: float) -> dict:
-        rule = optim.param_groups_rule(weight_decay)
-        return {} if rule is None else {"param_groups": rule}
 
     @staticmethod
     def _with_inputs(batch: dict) -> dict:
