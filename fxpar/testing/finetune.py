@@ -108,3 +108,43 @@ def reference_losses(recipe: Recipe) -> dict[str, list[float]]:
     if held_out is not None:
         evals.append(evaluate(model, held_out, recipe.batch * recipe.accum))
     return {"losses": losses, "norms": norms, "evals": evals}
+
+
+def trainer_losses(recipe: Recipe, output_dir: str) -> list[float]:
+    """The same run through HF ``Trainer``: its sampler replaced by one that reads the rows in fxpar's order
+    (the only change), everything else Trainer's own (grouping, AdamW, schedule, accumulation with
+    ``num_items_in_batch``, clipping). Per optimizer step, the loss Trainer logs."""
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from fxpar.data import Batches
+
+    torch.manual_seed(recipe.seed)
+    model = AutoModelForCausalLM.from_pretrained(recipe.model_dir, dtype=torch.float32)
+    model.config.use_cache = False
+    batches = Batches(recipe.dataset(model), batch=recipe.batch, seed=recipe.seed)
+    rows = []
+    for _ in range(recipe.steps * recipe.accum):
+        b = next(batches)
+        rows += [{k: v[i] for k, v in b.items()} for i in range(recipe.batch)]
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    logged = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                logged.append(logs["loss"])
+
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=recipe.batch,
+                             gradient_accumulation_steps=recipe.accum, max_steps=recipe.steps,
+                             learning_rate=recipe.lr, lr_scheduler_type=recipe.scheduler,
+                             warmup_steps=recipe.warmup, weight_decay=recipe.weight_decay,
+                             max_grad_norm=recipe.max_grad_norm, optim="adamw_torch", logging_steps=1,
+                             report_to=[], save_strategy="no", seed=recipe.seed, use_cpu=True,
+                             dataloader_drop_last=True, remove_unused_columns=False, disable_tqdm=True)
+    InOrder(model=model, args=args, train_dataset=rows, callbacks=[Losses()]).train()
+    return logged

@@ -122,3 +122,14 @@ def test_resume_at_step_10(pool4, recipe, runs, tmp_path, name):
         assert resumed == whole[10:]
     else:
         assert max(abs(a - b) for a, b in zip(resumed, whole[10:])) <= 1e-5
+
+
+def test_reference_loop_is_hf_trainer(recipe, reference, tmp_path):
+    """The single-process reference above is HF Trainer itself up to rounding: Trainer with only its sampler
+    replaced (so that it reads the rows in fxpar's order) logs the same losses within 1e-5."""
+    from fxpar.testing.finetune import trainer_losses
+
+    logged = trainer_losses(recipe, str(tmp_path))
+    diff = max(abs(a - b) for a, b in zip(logged, reference["losses"]))
+    print(f"Trainer vs the reference loop: worst loss difference {diff:.2e} over {len(logged)} steps")
+    assert len(logged) == recipe.steps and diff <= 1e-5
