@@ -104,6 +104,12 @@ class _Builder:
     def _load(self, fqns, layout, like):
         return self.weights.load(fqns, layout, like)
 
+    def static_cache(self, batch: int, max_len: int):
+        """A KV cache the model traces with (``CompiledModel.generate``), or None (fxpar.frontend.cache)."""
+        from fxpar.frontend.cache import static_cache
+
+        return static_cache(self.model, batch, max_len, "meta" if self.on_meta else self.device)
+
     def setup_for(self, batch: int) -> feasibility.PipelineSetup:
         """The pipeline set-up for a global ``batch`` (checked: a PlanError before any communication)."""
         return self.setup if batch == self.setup.batch else feasibility.pipeline_setup(self.plan, batch)

@@ -32,6 +32,7 @@ from fxpar.ir.program import Program
 from fxpar.ir.stage import CompileResult, PipelineProgram
 from fxpar.runtime.compile import compile_enabled, compile_stage
 from fxpar.runtime.data_parallel import DataParallelEngine, held_bytes
+from fxpar.runtime.generate import generate
 from fxpar.runtime.grad_norm import make_clipper
 from fxpar.runtime.liveness import guarded
 from fxpar.runtime.pipeline import PipelineRuntime
@@ -173,6 +174,7 @@ class CompiledModel:
             outs.append(full)
         return pytree.tree_unflatten(outs, result.program.out_spec)
 
+    generate = generate  # greedy or sampled decoding, the same tokens on every rank (fxpar.runtime.generate)
     # ---- reading -----------------------------------------------------------------------------------
     @property
     def last_grad_norm(self) -> float | None:

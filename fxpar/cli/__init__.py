@@ -13,6 +13,7 @@ Examples::
     torchrun --nproc_per_node 2 -m fxpar train config.json --meta --plan pp=2 --data notes.txt \
         --save ckpt --save-every 50 --export out/
     torchrun --nproc_per_node 4 -m fxpar train llama --plan dp=4 --resume ckpt   # load under another plan
+    torchrun --nproc_per_node 2 -m fxpar generate out/ --plan tp=2 --chat --prompt "Hi" --max-new-tokens 32
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import argparse
 import logging
 import sys
 
+from fxpar.cli.generate import add_arguments as add_generate_arguments
+from fxpar.cli.generate import run as cmd_generate
 from fxpar.cli.inspect import cmd_inspect
 from fxpar.cli.plan import cmd_plan
 from fxpar.cli.train import add_arguments
@@ -61,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(t)
     t.set_defaults(func=cmd_train)
+    g = sub.add_parser("generate", help="generate text from a model directory under any plan (torchrun or one "
+                       "process)", epilog="examples:" + EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_generate_arguments(g)
+    g.set_defaults(func=cmd_generate)
     q = sub.add_parser("plan", help="what a plan does (stages, collectives, memory) without launching",
                        epilog="examples:" + EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     q.add_argument("model")

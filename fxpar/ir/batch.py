@@ -26,7 +26,11 @@ def traced_batch(program) -> int:
 
 
 def split_batch(flat: list, batch: int, m: int) -> list[list]:
-    """Cut every tensor whose dim 0 is the batch into ``m`` microbatches; other values are shared."""
+    """Cut every tensor whose dim 0 is the batch into ``m`` microbatches; other values are shared. One
+    microbatch is the inputs themselves, not views of them (a traced in-place update, a KV cache's, may
+    not write a view that ``chunk`` made)."""
+    if m == 1:
+        return [list(flat)]
     out = [[] for _ in range(m)]
     for v in flat:
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch:

@@ -54,6 +54,8 @@ class Rewriter:
         self.packed_splits, self.segments = packed_segments(program, tp)
         self.partial_src: dict[torch.fx.Node, torch.fx.Node] = {}  # partial new node -> its old node
         self.reduced: dict[torch.fx.Node, torch.fx.Node] = {}  # partial new node -> its sum
+        self.local_inputs: dict[str, int] = {}  # user inputs each rank passes a shard of (a KV cache) -> dim
+        self.local_values: set[torch.fx.Node] = set()  # those shards updated in place: outputs kept ungathered
 
     # ---- placements ---------------------------------------------------------------------------------
     def call(self, target, args, kwargs=None, like: torch.fx.Node | None = None,
@@ -155,6 +157,7 @@ class Rewriter:
                 self.place[new] = REPLICATE
             elif old.op == "output":
                 outs = [None if self.keep_outputs is not None and i not in self.keep_outputs
+                        else self.env[a] if self.env.get(a) in self.local_values
                         else self.replicate(self.env[a], a) if isinstance(a, torch.fx.Node) else a
                         for i, a in enumerate(old.args[0])]
                 new = self.graph.output(tuple(outs))

@@ -64,6 +64,7 @@ _CARRIERS = {aten.view, aten.reshape, aten._unsafe_view, aten.transpose, aten.pe
              aten.contiguous, aten.alias, aten.clone, aten.to, aten._to_copy, aten.dropout, aten.expand,
              aten.scaled_dot_product_attention, aten.matmul, aten.softmax, aten._softmax, aten.chunk, aten.split,
              aten.split_with_sizes, aten.slice, aten.index, aten.cat, aten.flatten, aten.broadcast_to, aten.squeeze}
+_CACHE_WRITES = {aten.index_copy_, aten.index_copy}  # keys/values written into a KV cache, read by attention
 
 
 def infer_styles(program: Program) -> dict[str, str]:
@@ -85,6 +86,8 @@ def infer_styles(program: Program) -> dict[str, str]:
             elif packet(user) in _CARRIERS or user.target is operator.getitem or (user.op == "call_function"
                                                                                    and is_pointwise(user)):
                 todo.extend(user.users)
+            elif packet(user) in _CACHE_WRITES:  # the cache itself is returned: only its readers matter
+                todo.extend(u for u in user.users if u.op != "output")
             else:
                 ok = False
         if ok and ends and not any(e.meta.get(meta.MODULE) in styles for e in ends):

@@ -19,6 +19,7 @@ import torch.fx
 from fxpar.ir.op_classes import packet
 from fxpar.passes.tensor_parallel.rules import (  # the families register their rules on import
     attention,
+    cache,
     embedding,
     linear,
     loss,
@@ -28,7 +29,7 @@ from fxpar.passes.tensor_parallel.rules import (  # the families register their 
 from fxpar.passes.tensor_parallel.rules.pointwise import pointwise_or_gather
 from fxpar.passes.tensor_parallel.rules.registry import RULES, Rule, rule
 
-__all__ = ["RULES", "Rule", "attention", "embedding", "linear", "loss", "pointwise", "rule", "rule_for", "views"]
+__all__ = ["RULES", "Rule", "attention", "cache", "embedding", "linear", "loss", "pointwise", "rule", "rule_for", "views"]
 
 
 def rule_for(node: torch.fx.Node) -> Rule:
