@@ -133,3 +133,29 @@ def test_reference_loop_is_hf_trainer(recipe, reference, tmp_path):
     diff = max(abs(a - b) for a, b in zip(logged, reference["losses"]))
     print(f"Trainer vs the reference loop: worst loss difference {diff:.2e} over {len(logged)} steps")
     assert len(logged) == recipe.steps and diff <= 1e-5
+
+
+def _example(argv: list[str]) -> int:
+    import importlib.util
+
+    from fxpar.testing.hfdir import CHAT_FILE
+
+    path = CHAT_FILE.parents[1] / "finetune_hf.py"
+    spec = importlib.util.spec_from_file_location("finetune_hf_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+@pytest.mark.slow
+def test_worked_example_runs_on_4_ranks(pool4, tmp_path, capfd):
+    """examples/finetune_hf.py, shortened to 6 steps: it writes the checkpoint, evaluates, answers before and
+    after and exports a model from_pretrained loads."""
+    from transformers import AutoModelForCausalLM
+
+    argv = ["--model", str(tmp_path / "tiny-chat"), "--out", str(tmp_path / "ft"), "--steps", "6"]
+    assert pool4.run(_example, argv) == [0] * 4
+    out = capfd.readouterr().out
+    assert "eval at step 0" in out and "eval at step 6" in out and "step 6/6" in out
+    assert "before fine-tuning:" in out and "after fine-tuning:" in out
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "ft") is not None
