@@ -84,7 +84,7 @@ class FineTune:
         self.stream = self._stream(a.data, a.batch)
         self.eval_data = self._dataset(a.eval_data) if a.eval_data else None
         if a.eval_data and a.eval_every <= 0 and a.eval_every != -1:
-            raise PlanError(f"--eval-every {a.eval_every}: give a positive number of steps (-1: only at the end)")
+            raise PlanError(f"--eval-every {a.eval_every}: give a positive number of steps (-1: at the start and the end only)")
         self.rank, self.world, self.device = init_distributed()  # the first step that talks to peers
         self.start = 0
         extra = {}
