@@ -127,7 +127,8 @@ class CompiledModel:
         loss = sum((out.losses[i].detach() for i in sorted(out.losses)), torch.zeros(())).to(self.device).reshape(())
         work = None
         if self.world > 1:  # the loss stage's TP rank 0 of every replica holds its share of the global loss
-            loss.mul_(float(loss_stage.rank == self.pp_rank and self.tp_rank == 0))
+            if not (loss_stage.rank == self.pp_rank and self.tp_rank == 0):
+                loss.zero_()
             work = dist.all_reduce(loss, async_op=True)  # in flight while the gradients sync and the optimizer steps
         if self.engine is not None:
             self.engine.finish()
@@ -175,6 +176,7 @@ class CompiledModel:
         return pytree.tree_unflatten(outs, result.program.out_spec)
 
     generate = generate  # greedy or sampled decoding, the same tokens on every rank (fxpar.runtime.generate)
+
     # ---- reading -----------------------------------------------------------------------------------
     @property
     def last_grad_norm(self) -> float | None:
