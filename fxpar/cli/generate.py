@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from fxpar.ir.errors import PlanError
-from fxpar.ir.schedule import normalize_schedule, stages_per_rank
+from fxpar.ir.schedule import microbatches
 
 
 def encode_prompts(tok, prompts: list[str], chat: bool) -> dict:
@@ -33,8 +33,7 @@ def encode_prompts(tok, prompts: list[str], chat: bool) -> dict:
 
 def rows_multiple(plan) -> int:
     """Rows a batch must be a multiple of under ``plan``: microbatches x dp."""
-    stages = plan.pp * stages_per_rank(normalize_schedule(plan.schedule), plan.virtual_stages)
-    return (plan.microbatches or stages) * plan.dp
+    return microbatches(plan) * plan.dp
 
 
 def run(args) -> int:

@@ -80,6 +80,15 @@ def flat_kwarg_names(program) -> list[str]:
     return names
 
 
+def counted_labels(labels: torch.Tensor, model: torch.nn.Module) -> int:
+    """Label tokens ``model``'s loss counts: not ``-100``, after the causal LMs' shift by one. Which loss a
+    model uses is decided as transformers decides it: ``model.loss_type``, else the class name's suffix."""
+    loss_type = getattr(model, "loss_type", None) or type(model).__name__
+    if loss_type.endswith("ForCausalLM"):
+        labels = labels[..., 1:]
+    return int((labels != -100).sum())
+
+
 def loss_weights(program, microbatches: list[list], model: torch.nn.Module) -> list[float]:
     """Each microbatch's share of the whole batch's mean loss: its count of counted label tokens.
 
@@ -91,14 +100,7 @@ def loss_weights(program, microbatches: list[list], model: torch.nn.Module) -> l
     if "labels" not in flat_keys:
         return [1.0 / len(microbatches)] * len(microbatches)
     idx = flat_keys.index("labels")
-    loss_type = getattr(model, "loss_type", None) or type(model).__name__
-    shift = loss_type.endswith("ForCausalLM")
-    counts = []
-    for mb in microbatches:
-        labels = mb[idx]
-        if shift:
-            labels = labels[..., 1:]
-        counts.append(int((labels != -100).sum()))
+    counts = [counted_labels(mb[idx], model) for mb in microbatches]
     total = sum(counts)
     if total == 0:
         raise PlanError("every label is -100: the batch has no token to compute a loss on")

@@ -107,6 +107,11 @@ def stages_per_rank(schedule: str, virtual: int | None) -> int:
     return 2 if virtual is None else virtual
 
 
+def microbatches(plan) -> int:
+    """Microbatches per data-parallel replica under ``plan``: its own count, else one per pipeline stage."""
+    return plan.microbatches or plan.pp * stages_per_rank(normalize_schedule(plan.schedule), plan.virtual_stages)
+
+
 def stage_to_rank(schedule: str, pp: int, n_stages: int) -> list[int]:
     """The rank of each stage: loop placement (s % pp), or for zbv the V (rank r holds r and 2*pp-1-r)."""
     name = normalize_schedule(schedule)

@@ -81,7 +81,7 @@ def pipeline_setup(plan: Plan, batch: int) -> PipelineSetup:
     """Schedule, stage count and microbatches for a global ``batch``; checks that they fit together."""
     name = sched.normalize_schedule(plan.schedule)
     n_stages = plan.pp * sched.stages_per_rank(name, plan.virtual_stages)
-    m = plan.microbatches or n_stages
+    m = sched.microbatches(plan)
     if batch % (m * plan.dp):
         raise PlanError(f"batch of {batch} does not divide into {m} microbatches x dp={plan.dp}; global batch = "
                         f"microbatch size x microbatches x dp: pick a batch that is a multiple of {m * plan.dp} "

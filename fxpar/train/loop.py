@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
+from fxpar.ir.batch import counted_labels
 from fxpar.ir.errors import PlanError
+from fxpar.ir.schedule import microbatches
 from fxpar.train import metrics as M
 from fxpar.train import optim, streams
 
@@ -61,8 +63,7 @@ class FineTune:
         if a.bf16:
             plan = dataclasses.replace(plan, mixed_precision="bf16")
         if self.accum > 1:  # accumulation: more microbatches of the same size (see fxpar.train.streams)
-            per = plan.microbatches or plan.pp * (plan.virtual_stages or 1)
-            plan = dataclasses.replace(plan, microbatches=per * self.accum)
+            plan = dataclasses.replace(plan, microbatches=microbatches(plan) * self.accum)
         self.plan = plan
         directory = model_directory(a.model)
         self.resume = checkpoint.latest(a.resume) if a.resume else None
@@ -195,7 +196,7 @@ class FineTune:
         total, count = 0.0, 0
         # the training step's global batch size: the evaluation runs the training program in inference
         for batch in eval_batches(self.eval_data, self.args.batch * self.accum):
-            n = streams.counted_labels(batch)
+            n = counted_labels(batch["labels"], self.model)
             if n == 0:
                 continue
             out = self.compiled(**self._with_inputs(batch))

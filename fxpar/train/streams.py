@@ -89,7 +89,3 @@ def step_batch(stream, accum: int) -> dict:
     parts = [stream.next_batch() for _ in range(accum)]
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
-
-def counted_labels(batch: dict) -> int:
-    """Label tokens a causal LM's loss counts in ``batch`` (shifted by one, -100 excluded)."""
-    return int((batch["labels"][..., 1:] != -100).sum())
