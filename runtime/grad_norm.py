@@ -48,13 +48,13 @@ def check_max_grad_norm(max_grad_norm) -> float | None:
     return float(max_grad_norm)
 
 
-def make_clipper(max_grad_norm, result: CompileResult, mesh: MeshSpec, named, engine, device):
+def make_clipper(max_grad_norm, result: CompileResult, mesh: MeshSpec, named, engine, device, experts=frozenset()):
     """The compiled model's :class:`GradClipper`, or None without ``max_grad_norm``."""
     max_grad_norm = check_max_grad_norm(max_grad_norm)
     if max_grad_norm is None:
         return None
     return GradClipper(max_grad_norm, result, mesh, stepped_tensors(named, engine, result.zero3_buckets,
-                                                                     mesh.dp_rank), device)
+                                                                     mesh.dp_rank), device, experts)
 
 
 def stepped_tensors(named: list[tuple[str, torch.nn.Parameter]], engine, zero3_buckets: dict[int, list],
@@ -79,7 +79,8 @@ class GradClipper:
     ``stepped``: ``(tensor the optimizer steps, its name in the stage or None, its flat bucket and the
     entries ``[lo, hi)`` of the bucket it holds, or None for a whole parameter)``."""
 
-    def __init__(self, max_norm: float, result: CompileResult, mesh: MeshSpec, stepped: list, device):
+    def __init__(self, max_norm: float, result: CompileResult, mesh: MeshSpec, stepped: list, device,
+                 experts=frozenset()):  # experts: FQNs of expert slices (Plan(ep=N): each ep rank its own)
         self.max_norm, self.device = max_norm, device
         self.world = mesh.world_size
         owner, canonical, tp = owning_ranks(result.pipeline), canonical_names(result.program), result.tp
@@ -90,21 +91,36 @@ class GradClipper:
                 return False  # a tied parameter: its first pipeline rank counts it
             if tp.layout(fqn) is None and mesh.tp_rank != 0:
                 return False  # whole on every TP rank
-            return not whole or mesh.dp_rank == 0  # whole gradients are the same on every dp rank
+            # whole gradients are the same on every data replica (an expert slice's: on every dp rank)
+            return not whole or (mesh.dp_rank if fqn in experts else mesh.replica_rank) == 0
 
         self.tensors: list[torch.Tensor] = []
         self.ranges: list[tuple[torch.Tensor, list[tuple[int, int]]]] = []  # (tensor, counted flat entries)
+
+        def own(name: str, numel: int) -> list[tuple[int, int]]:
+            """The entries of a parameter this TP rank counts: all, but the fused pieces every rank holds
+            whole (ShardLayout.whole) on TP rank 0 only."""
+            fqn = canonical(name)
+            layout = tp.layout(fqn)
+            if layout is None or not layout.whole or mesh.tp_rank == 0:
+                return [(0, numel)]
+            return _not_whole(layout, layout.local_shape(result.program.params[fqn].shape))
+
         for t, name, bucket in stepped:
             self.tensors.append(t)
             if bucket is None:
                 if counts(name, whole=True):
-                    self.ranges.append((t, [(0, t.numel())]))
+                    self.ranges.append((t, own(name, t.numel())))
                 continue
             flat, (lo, hi) = bucket
             mine = []
             for n, off, size in zip(flat.names, flat.offsets, flat.numels):
-                a, b = max(off, lo), min(off + size, hi)
-                if a < b and counts(n, whole=False):
+                if not counts(n, whole=False):
+                    continue
+                for ra, rb in own(n, size):
+                    a, b = max(off + ra, lo), min(off + rb, hi)
+                    if a >= b:
+                        continue
                     if mine and mine[-1][1] == a - lo:
                         mine[-1] = (mine[-1][0], b - lo)  # adjacent entries: one slice
                     else:
@@ -147,3 +163,17 @@ class GradClipper:
                 torch.nn.utils.clip_grads_with_norm_(grads, self.max_norm, total.float())
         self.last = total
         return total
+
+
+def _not_whole(layout, shape) -> list[tuple[int, int]]:
+    """Flat entries of one rank's shard (of ``shape``) outside the pieces every rank holds whole."""
+    d = layout.dim
+    outer, rows, inner = math.prod(shape[:d]), shape[d], math.prod(shape[d + 1:])
+    out = []
+    for o in range(outer):
+        start = o * rows * inner
+        for i, p in enumerate(layout.local_pieces()):
+            if i not in layout.whole:
+                out.append((start, start + p * inner))
+            start += p * inner
+    return out

@@ -21,13 +21,15 @@ from fxpar.runtime.groups import resolve_group
 
 
 def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpec, device: torch.device,
-                    grads: bool = False) -> dict[str, torch.Tensor]:
+                    grads: bool = False, ep=None) -> dict[str, torch.Tensor]:
     """Full tensors keyed by the original FQNs (tied parameters under each name), on every rank.
     ``grads=True``: the parameters' gradients from the last step instead (zeros where none).
 
     TP shards are gathered within the owning stage's TP group, then sent from its TP rank 0. ZeRO-3
-    shards must have been gathered into the parameters first (``fxpar.runtime.zero3.sync_zero3``).
+    shards must have been gathered into the parameters first (``fxpar.runtime.zero3.sync_zero3``). ``ep``
+    (an :class:`~fxpar.ir.expert_ops.EpResult`): expert slices are gathered over the ep group (dim 0).
     """
+    experts = ep.experts if ep is not None else {}
     pipeline, program = result.pipeline, result.program
     owner: dict[str, int] = {}
     for stage in pipeline.stages:
@@ -48,7 +50,15 @@ def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpe
         if layout is not None:
             shape[layout.dim] *= mesh.tp
         mine = owner.get(fqn, mesh.pp_rank) == mesh.pp_rank
-        if layout is not None and mine:
+        if fqn in experts:  # this ep rank's experts: every ep rank's, in order, along dim 0
+            shape[0] *= mesh.ep
+            if mine:
+                parts = [torch.empty_like(local) for _ in range(mesh.ep)]
+                dist.all_gather(parts, local.detach().contiguous(), group=resolve_group(mesh.group_name("ep")))
+                full = torch.cat(parts)
+            else:
+                full = torch.empty(shape, dtype=local.dtype, device=device)
+        elif layout is not None and mine:
             parts = [torch.empty_like(local) for _ in range(mesh.tp)]
             dist.all_gather(parts, local.detach().contiguous(), group=resolve_group(mesh.group_name("tp")))
             full = layout.unshard(parts)
@@ -100,20 +110,23 @@ def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple[int, 
     return out
 
 
-def place_tp(layout: ShardLayout | None, tp_rank: int, local_shape, offsets, view) -> list[tuple[tuple, torch.Tensor]]:
+def place_tp(layout: ShardLayout | None, tp_rank: int, local_shape, offsets, view,
+             whole_once: bool = False) -> list[tuple[tuple, torch.Tensor]]:
     """Where a box of TP rank ``tp_rank``'s shard (``offsets`` in the shard, ``view`` its data) lies in the
-    full tensor: one box per fused piece it crosses (``layout.pieces``), as ``(full offsets, view)``."""
+    full tensor: one box per fused piece it crosses (``layout.pieces``), as ``(full offsets, view)``.
+    ``whole_once``: the pieces every rank holds whole only from TP rank 0 (writing: chunks must not overlap)."""
     if layout is None:
         return [(tuple(offsets), view)]
     d = layout.dim
     lo, hi = offsets[d], offsets[d] + view.shape[d]
     out, local_start, full_start = [], 0, 0
-    for piece in layout.pieces or [layout.full_shape(local_shape)[d]]:
-        step = piece // layout.parts
+    for i, piece in enumerate(layout.pieces or [layout.full_shape(local_shape)[d]]):
+        whole = i in layout.whole  # a piece every rank holds whole (ShardLayout.whole)
+        step = piece if whole else piece // layout.parts
         a, b = max(lo, local_start), min(hi, local_start + step)
-        if a < b:
+        if a < b and not (whole and whole_once and tp_rank != 0):
             o = list(offsets)
-            o[d] = full_start + tp_rank * step + (a - local_start)
+            o[d] = full_start + (0 if whole else tp_rank * step) + (a - local_start)
             out.append((tuple(o), view.narrow(d, a - lo, b - a)))
         local_start, full_start = local_start + step, full_start + piece
     return out
@@ -177,16 +190,19 @@ def local_state(compiled, *, optimizer: bool = False, writers_only: bool = True)
     pipeline, tp = result.pipeline, result.tp
     owner = owning_ranks(pipeline)
     canonical = canonical_names(program)
+    ep = getattr(compiled, "ep", None)  # CompiledModel.ep: the expert-parallel record
+    experts = ep.info.experts if ep is not None and ep.info is not None else {}  # expert slices: ep rank e holds rows [e * n, (e + 1) * n)
 
     def writes(fqn: str, per_dp: bool) -> bool:
         if owner.get(fqn, mesh.pp_rank) != mesh.pp_rank:
             return False
-        sharded, pick = tp.layout(fqn) is not None, zlib.crc32(fqn.encode())
+        sharded, pick = tp.layout(fqn) is not None or fqn in experts, zlib.crc32(fqn.encode())
         if per_dp:
             return sharded or mesh.tp_rank == 0
         if sharded:
             return mesh.dp_rank == pick % mesh.dp
-        return (mesh.dp_rank, mesh.tp_rank) == divmod(pick % (mesh.dp * mesh.tp), mesh.tp)
+        return (mesh.dp_rank, mesh.tp_rank) == divmod(pick % (mesh.dp * mesh.tp), mesh.tp) \
+            and mesh.ep_rank == pick // (mesh.dp * mesh.tp) % mesh.ep  # one data replica of dp x ep
 
     out: dict[str, Held] = {}
 
@@ -196,9 +212,12 @@ def local_state(compiled, *, optimizer: bool = False, writers_only: bool = True)
                 continue
             layout = tp.layout(fqn)
             full = tuple(layout.full_shape(local_shape) if layout else local_shape)
+            if fqn in experts:  # this ep rank's experts: its rows of the full tensor
+                full = (full[0] * mesh.ep, *full[1:])
+                boxes = [((o[0] + mesh.ep_rank * local_shape[0], *o[1:]), v) for o, v in boxes]
             held = out.setdefault(key.format(fqn), Held(full, dtype))
             for o, v in boxes:
-                held.chunks += place_tp(layout, mesh.tp_rank, local_shape, o, v)
+                held.chunks += place_tp(layout, mesh.tp_rank, local_shape, o, v, whole_once=writers_only)
 
     geometry: dict[int, Callable] = {}  # id(tensor an optimizer steps) -> its geometry
     persistent = {canonical(n) for n in compiled.model.state_dict(keep_vars=True)}
@@ -231,7 +250,8 @@ def local_state(compiled, *, optimizer: bool = False, writers_only: bool = True)
                     add(f"optim.{{}}.{k}", where(v.detach()), v.dtype)
                     continue
                 for fqn, _, boxes, per_dp in where(p.detach()):  # a scalar (step): once per FQN, kept by
-                    origin = any(not any(o) for o, _ in boxes) and (mesh.tp_rank == 0 or tp.layout(fqn) is None)
+                    origin = any(not any(o) for o, _ in boxes) and (mesh.tp_rank == 0 or tp.layout(fqn) is None) \
+                        and (mesh.ep_rank == 0 or fqn not in experts)
                     if not writers_only or origin and writes(fqn, per_dp):  # the writer of the origin
                         out[f"optim.{fqn}.{k}"] = Held((), v.dtype, [((), v.detach())])
     return out

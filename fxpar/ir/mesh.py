@@ -1,8 +1,13 @@
 """``MeshSpec``: the device mesh as pure data (degrees, axis names, rank <-> coordinates, group names).
 
-A mesh of ``dp x pp x tp`` ranks, tensor parallel innermost: ``rank = (dp_rank * pp + pp_rank) * tp +
-tp_rank``. It holds no process group, so passes, the cost model and the planner can reason about any
-world size on one process (as JAX's ``AbstractMesh``); ``fxpar.runtime.groups`` turns it into a
+A mesh of ``dp x ep x pp x tp`` ranks, tensor parallel innermost: ``rank = ((dp_rank * ep + ep_rank) * pp +
+pp_rank) * tp + tp_rank``. Expert parallelism (``Plan(ep=N)``) is carved out of data parallelism: the
+``dp x ep`` ranks of one pipeline and TP position are the data replicas (replica ``dp_rank * ep + ep_rank``
+takes that slice of the batch); the ``ep`` ranks of one dp replica split each MoE layer's experts and
+exchange tokens by all-to-all. With ``ep=1`` the layout is the ``dp x pp x tp`` one it always was.
+
+It holds no process group, so passes, the cost model and the planner can reason about any world size on
+one process (as JAX's ``AbstractMesh``); ``fxpar.runtime.groups`` turns it into a
 ``DeviceMesh`` and process groups.
 
 Group names are ``"<axis>:<r0>,<r1>,..."``: the global ranks of this rank's group along an axis. The
@@ -20,17 +25,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-AXES = ("dp", "pp", "tp")  # outermost first
+AXES = ("dp", "ep", "pp", "tp")  # outermost first
 
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Degrees of a ``dp x pp x tp`` mesh and the rank this process stands for."""
+    """Degrees of a ``dp x ep x pp x tp`` mesh and the rank this process stands for."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
     rank: int = 0
+    ep: int = 1
 
     def __post_init__(self):
         for axis in AXES:
@@ -41,27 +47,46 @@ class MeshSpec:
 
     @classmethod
     def for_plan(cls, plan, rank: int = 0) -> MeshSpec:
-        return cls(dp=plan.dp, pp=plan.pp, tp=plan.tp, rank=rank)
+        return cls(dp=plan.dp, pp=plan.pp, tp=plan.tp, rank=rank, ep=getattr(plan, "ep", 1))
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.ep * self.pp * self.tp
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return self.dp, self.pp, self.tp
+    def shape(self) -> tuple[int, ...]:
+        """The mesh's degrees, outermost first: ``(dp, pp, tp)``, or ``(dp, ep, pp, tp)`` with ep > 1."""
+        return (self.dp, self.ep, self.pp, self.tp) if self.ep > 1 else (self.dp, self.pp, self.tp)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The names of :attr:`shape`'s dimensions."""
+        return AXES if self.ep > 1 else ("dp", "pp", "tp")
+
+    @property
+    def replicas(self) -> int:
+        """Data replicas (each its own slice of the batch): ``dp * ep``."""
+        return self.dp * self.ep
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's data replica: ``dp_rank * ep + ep_rank``."""
+        return self.dp_rank * self.ep + self.ep_rank
 
     def size(self, axis: str) -> int:
         return getattr(self, _axis(axis))
 
     # ---- rank <-> coordinates ---------------------------------------------------------------------
     def coords(self, rank: int | None = None) -> dict[str, int]:
-        """``{"dp": d, "pp": p, "tp": t}`` of ``rank`` (default: this rank)."""
+        """``{"dp": d, "pp": p, "tp": t}`` of ``rank`` (default: this rank), and ``"ep": e`` when ep > 1."""
         r = self.rank if rank is None else rank
-        return {"dp": r // (self.pp * self.tp), "pp": (r // self.tp) % self.pp, "tp": r % self.tp}
+        out = {"dp": r // (self.ep * self.pp * self.tp), "pp": (r // self.tp) % self.pp, "tp": r % self.tp}
+        if self.ep > 1:
+            out["ep"] = (r // (self.pp * self.tp)) % self.ep
+        return out
 
-    def rank_of(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
-        return (dp * self.pp + pp) * self.tp + tp
+    def rank_of(self, dp: int = 0, pp: int = 0, tp: int = 0, ep: int = 0) -> int:
+        return ((dp * self.ep + ep) * self.pp + pp) * self.tp + tp
 
     @property
     def dp_rank(self) -> int:
@@ -75,14 +100,19 @@ class MeshSpec:
     def tp_rank(self) -> int:
         return self.coords()["tp"]
 
+    @property
+    def ep_rank(self) -> int:
+        return self.coords().get("ep", 0)
+
     def with_rank(self, rank: int) -> MeshSpec:
-        return MeshSpec(self.dp, self.pp, self.tp, rank)
+        return MeshSpec(self.dp, self.pp, self.tp, rank, self.ep)
 
     # ---- groups -----------------------------------------------------------------------------------
     def axis_ranks(self, axis: str, rank: int | None = None) -> list[int]:
         """Global ranks of ``rank``'s group along ``axis`` (the other coordinates fixed), in order."""
         axis = _axis(axis)
         c = self.coords(rank)
+        c.setdefault("ep", 0)
         out = []
         for i in range(self.size(axis)):
             c[axis] = i
@@ -98,12 +128,25 @@ class MeshSpec:
         """``"tp:4,5"``: the name of ``rank``'s group along ``axis``, its ranks listed."""
         return f"{_axis(axis)}:{','.join(map(str, self.axis_ranks(axis, rank)))}"
 
+    def replica_ranks(self, rank: int | None = None) -> list[int]:
+        """Global ranks of ``rank``'s data replicas (same pp and tp; every dp and ep coordinate), in order:
+        the group dense gradients are averaged over."""
+        c = self.coords(rank)
+        return [self.rank_of(d, c["pp"], c["tp"], e) for d in range(self.dp) for e in range(self.ep)]
+
+    def replica_group_name(self, rank: int | None = None) -> str:
+        """``"dpep:0,1,2,3"``: the name of :meth:`replica_ranks`' group (``group_name("dp")`` when ep=1)."""
+        if self.ep == 1:
+            return self.group_name("dp", rank)
+        return "dpep:" + ",".join(map(str, self.replica_ranks(rank)))
+
     def pipeline_ranks(self) -> list[int]:
         """The global rank of each pipeline position in this rank's pipeline (same dp and tp)."""
         return self.axis_ranks("pp")
 
     def __str__(self) -> str:
-        return f"mesh dp={self.dp} x pp={self.pp} x tp={self.tp} (rank {self.rank}: {self.coords()})"
+        ep = f" x ep={self.ep}" if self.ep > 1 else ""
+        return f"mesh dp={self.dp}{ep} x pp={self.pp} x tp={self.tp} (rank {self.rank}: {self.coords()})"
 
 
 def _axis(axis: str) -> str:

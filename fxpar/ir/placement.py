@@ -22,7 +22,24 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["Partial", "Placement", "Replicate", "Shard", "ShardLayout", "TpResult", "as_placement"]
+__all__ = ["SHARDABLE", "WHY_KINDS", "WHY_UNUSED", "Partial", "Placement", "Replicate", "Shard", "ShardLayout", "TpResult",
+           "as_placement", "why_kind"]
+
+# Why the TP pass left a parameter whole: each TpResult.replicated reason starts with one of these kinds.
+WHY_NO_PLAN = "no plan entry"  # no style reached it
+WHY_NOT_UNDERSTOOD = "layout not understood"  # a style reached it, no rule could cut it
+WHY_NOT_DIVISIBLE = "not divisible"  # the dim (or a fused piece) does not divide by tp
+WHY_BY_DESIGN = "norm/bias/scalar"  # 0-D or 1-D: norm weights, a row-parallel bias (cheap)
+WHY_SMALL = "small"  # a small weight with no style (a router gate)
+WHY_BY_PLAN = "replicated by plan"  # the style asks for it whole
+WHY_UNUSED = "unused"  # the traced program never reads it (cross-attention traced without encoder states)
+WHY_KINDS = (WHY_NO_PLAN, WHY_NOT_UNDERSTOOD, WHY_NOT_DIVISIBLE, WHY_BY_DESIGN, WHY_SMALL, WHY_BY_PLAN, WHY_UNUSED)
+SHARDABLE = frozenset({WHY_NO_PLAN, WHY_NOT_UNDERSTOOD})  # kinds where sharding was possible: warned about
+
+
+def why_kind(reason: str) -> str:
+    """The kind of a reason ``"<kind>: <details>"`` (the text before the first colon)."""
+    return reason.split(":", 1)[0].strip()
 
 
 def as_placement(dim: int | None) -> Placement:
@@ -32,46 +49,68 @@ def as_placement(dim: int | None) -> Placement:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """A tensor cut into ``parts`` along ``dim``; with ``pieces``, each piece (along ``dim``) cut apart."""
+    """A tensor cut into ``parts`` along ``dim``; with ``pieces``, each piece (along ``dim``) cut apart.
+    ``whole``: indices into ``pieces`` of the pieces every rank holds whole (a multi-query attention's
+    one K/V head in a fused QKV weight): a whole piece keeps its full size on every rank.
+
+    >>> mqa = ShardLayout(dim=0, pieces=[4, 1, 1], parts=2, whole=(1, 2))  # [q | k | v], k and v whole
+    >>> mqa.local_shape((6, 3))
+    (4, 3)
+    >>> mqa.slice(torch.arange(6), 1).tolist()  # rank 1: the second half of q, then k and v
+    [2, 3, 4, 5]
+    >>> mqa.unshard([mqa.slice(torch.arange(6), r) for r in range(2)]).tolist()
+    [0, 1, 2, 3, 4, 5]
+    """
 
     dim: int
     pieces: list[int] | None = None
     parts: int = 1
+    whole: tuple[int, ...] = ()
+
+    def local_pieces(self) -> list[int] | None:
+        """The size of each piece on one rank (whole pieces at full size), or None without pieces."""
+        if not self.pieces:
+            return None
+        return [p if i in self.whole else p // self.parts for i, p in enumerate(self.pieces)]
 
     def local_shape(self, full_shape: Sequence[int]) -> tuple[int, ...]:
         """The shape of one rank's part of a tensor of ``full_shape``."""
         shape = list(full_shape)
-        shape[self.dim] //= self.parts
+        shape[self.dim] = sum(self.local_pieces()) if self.pieces else shape[self.dim] // self.parts
         return tuple(shape)
 
     def full_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
         """The shape of the full tensor whose parts have ``local_shape``."""
         shape = list(local_shape)
-        shape[self.dim] *= self.parts
+        shape[self.dim] = sum(self.pieces) if self.pieces else shape[self.dim] * self.parts
         return tuple(shape)
 
     def ranges(self, size: int, rank: int) -> list[tuple[int, int]]:
         """The ``[start, end)`` ranges along ``dim`` (full size ``size``) that ``rank`` holds, one per piece."""
         out, start = [], 0
-        for p in self.pieces or [size]:
-            step = p // self.parts
-            out.append((start + rank * step, start + (rank + 1) * step))
+        for i, p in enumerate(self.pieces or [size]):
+            step = p if i in self.whole else p // self.parts
+            first = start if i in self.whole else start + rank * step
+            out.append((first, first + step))
             start += p
         return out
 
     def slice(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """``rank``'s part of ``full`` (a copy)."""
         parts = full.split(self.pieces, dim=self.dim) if self.pieces else [full]
-        return torch.cat([part.chunk(self.parts, dim=self.dim)[rank] for part in parts], dim=self.dim).clone()
+        return torch.cat([part if i in self.whole else part.chunk(self.parts, dim=self.dim)[rank]
+                          for i, part in enumerate(parts)], dim=self.dim).clone()
 
     def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every rank's part, in rank order (the inverse of :meth:`slice`)."""
+        """The full tensor from every rank's part, in rank order (the inverse of :meth:`slice`; a whole
+        piece is taken from rank 0)."""
         if len(shards) != self.parts:
             raise ValueError(f"ShardLayout.unshard: {len(shards)} parts given for a layout of {self.parts}")
         if not self.pieces:
             return torch.cat(list(shards), dim=self.dim)
-        split = [s.split([p // self.parts for p in self.pieces], dim=self.dim) for s in shards]
-        return torch.cat([torch.cat([split[r][i] for r in range(self.parts)], dim=self.dim)
+        split = [s.split(self.local_pieces(), dim=self.dim) for s in shards]
+        return torch.cat([split[0][i] if i in self.whole else torch.cat([split[r][i] for r in range(self.parts)],
+                                                                        dim=self.dim)
                           for i in range(len(self.pieces))], dim=self.dim)
 
 
@@ -81,15 +120,21 @@ class TpResult:
 
     ``sharded``: canonical FQN -> the dim it is cut along. ``pieces``: FQN -> the sizes of a fused
     tensor's parts along that dim ([q, k, v]). ``fallbacks``: ops that ran on gathered inputs ("name
-    (target) in module"). ``parts``: the TP degree.
+    (target) in module"). ``parts``: the TP degree. ``replicated``: every parameter left whole -> why
+    (``"<kind>: <details>"``, the kinds in :data:`WHY_KINDS`). ``gathered``: cut parameters whose whole
+    value a rule all-gathers where they are used -> that op (memory saved, compute not). ``whole``: FQN ->
+    the indices of the fused pieces every rank holds whole (:attr:`ShardLayout.whole`).
     """
 
     sharded: dict[str, int] = field(default_factory=dict)
     pieces: dict[str, list[int]] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
     parts: int = 1
+    replicated: dict[str, str] = field(default_factory=dict)
+    gathered: dict[str, str] = field(default_factory=dict)
+    whole: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def layout(self, fqn: str) -> ShardLayout | None:
         """How ``fqn`` is cut over the TP ranks, or None when every rank holds it whole."""
         d = self.sharded.get(fqn)
-        return None if d is None else ShardLayout(d, self.pieces.get(fqn), self.parts)
+        return None if d is None else ShardLayout(d, self.pieces.get(fqn), self.parts, self.whole.get(fqn, ()))

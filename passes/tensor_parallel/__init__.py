@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxpar.cost.flops import annotate_costs
 from fxpar.ir import meta
 from fxpar.ir.placement import ShardLayout, TpResult
-from fxpar.ir.program import ParamInfo, Program
+from fxpar.ir.program import Program
+from fxpar.passes.local import bind_local
+from fxpar.passes.tensor_parallel.channels import rewrite_with_channels
+from fxpar.passes.tensor_parallel.reasons import gathered_params, replicated_reasons
 from fxpar.passes.tensor_parallel.rewriter import REPLICATE, Rewriter
-from fxpar.passes.tensor_parallel.styles import STYLES, check_heads, infer_styles, resolve_styles
+from fxpar.passes.tensor_parallel.styles import STYLES, check_heads, infer_styles, resolve_styles, styles_for
 
 __all__ = ["STYLES", "ShardLayout", "TpResult", "infer_styles", "resolve_styles", "tensor_parallel"]
 
@@ -61,58 +63,25 @@ def tensor_parallel(program: Program, tp: int, rank: int, styles: dict[str, str]
     group = group if group is not None else "tp:" + ",".join(map(str, range(tp)))
     shards = {} if shards is None else shards
     plan = styles if styles is not None else program.info.tp_plan
-    resolved = resolve_styles(program, plan, strict=styles is not None) if plan else infer_styles(program)
+    resolved = styles_for(program, plan, tp, user=styles is not None)  # a model's plan + inferred for the rest
     sequence_parallel = sequence_parallel or "sequence_parallel" in resolved.values()
     check_heads(program, resolved, tp)
-    rw = Rewriter(program, resolved, tp, rank, group, keep_outputs=keep_outputs, sequence_parallel=sequence_parallel)
-    graph = rw.run()
+    rw, graph = rewrite_with_channels(lambda derived: Rewriter(
+        program, resolved, tp, rank, group, keep_outputs=keep_outputs, sequence_parallel=sequence_parallel,
+        derived=derived))
     graph.eliminate_dead_code()
     gm = torch.fx.GraphModule(program.gm, graph)
     pieces = {fqn: rw.segments[fqn] for fqn in rw.param_dim if fqn in rw.segments}
     result = TpResult(dict(rw.param_dim), pieces, list(rw.fallbacks), tp)
-    tensors, params = {}, {}
-    for fqn, info in program.params.items():
-        t = program.tensor(fqn)
-        layout = result.layout(fqn)
-        if layout is not None:
-            if fqn not in shards:
-                piece = layout.slice(t.detach(), rank)
-                shards[fqn] = torch.nn.Parameter(piece, requires_grad=t.requires_grad) \
-                    if isinstance(t, torch.nn.Parameter) else piece
-            t = shards[fqn]
-            info = ParamInfo(info.fqn, tuple(t.shape), info.dtype, info.requires_grad, info.is_buffer, info.aliases)
-        tensors[fqn], params[fqn] = t, info
-    local = Program(gm, inputs=program.inputs, outputs=program.outputs, in_spec=program.in_spec,
-                    out_spec=program.out_spec, params=params, tensors=tensors, constants=program.constants,
-                    info=program.info, frontend=program.frontend, root=program.root)
-    _refresh_vals(local)
+    result.whole = {fqn: w for fqn, w in rw.packing.whole.items() if fqn in pieces}  # pieces every rank holds whole
+    # why each parameter left whole is whole, and which cut ones a rule gathers again (fxpar inspect shows them)
+    result.replicated = replicated_reasons(program, rw.param_dim, resolved, rw.transposed, rw.segments, tp,
+                                           rw.why_whole)
+    result.gathered = gathered_params(graph, rw.param_dim)
+    local = bind_local(program, gm, shards,
+                       lambda fqn, t: None if result.layout(fqn) is None else result.layout(fqn).slice(t, rank))
     annotate_costs(local)  # the rewritten nodes are new: price them on this rank's shapes
     for node in gm.graph.nodes:
         node.meta[meta.PLACEMENT] = (rw.place.get(node, REPLICATE),)
     return local, result
 
-
-def _refresh_vals(program: Program) -> None:
-    """Recompute every node's ``val`` with local shapes (FakeTensorProp over the rewritten graph). The
-    collectives' fake kernels read their group's size from its name (or its registration)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    phs = [n for n in program.gm.graph.nodes if n.op == "placeholder"]
-    bound = {b.placeholder: b for b in program.inputs}
-    fakes = []
-    users = [n.meta.get(meta.VAL) for n in phs if bound[n.name].kind == "user"]
-    device = next((v.device for v in users if isinstance(v, torch.Tensor)), None)
-    for n in phs:
-        b = bound[n.name]
-        if b.kind in ("parameter", "buffer"):
-            t = program.tensor(b.target).detach()
-            # a meta-traced program may already hold some real shards: shapes are what matter here
-            fakes.append(mode.from_tensor(t.to(device) if device is not None and t.device != device else t))
-        else:
-            v = n.meta.get(meta.VAL)
-            if isinstance(v, torch.Tensor):
-                with mode:
-                    v = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-            fakes.append(v)
-    FakeTensorProp(program.gm, mode).propagate_dont_convert_inputs(*fakes)

@@ -24,8 +24,11 @@ from fxpar.ir import ops as _ops  # noqa: F401  (defines torch.ops.fxpar.*)
 from fxpar.ir.analysis import grad_flow
 from fxpar.ir.placement import Partial, Placement, Replicate, Shard, as_placement
 from fxpar.ir.program import Program
-from fxpar.passes.tensor_parallel.layouts import conv1d_weights, packed_segments
-from fxpar.passes.tensor_parallel.rules import rule_for
+from fxpar.passes.tensor_parallel.channels import ChannelParams
+from fxpar.passes.tensor_parallel.experts import expert_layouts
+from fxpar.passes.tensor_parallel.layouts import conv1d_weights, linear_weight
+from fxpar.passes.tensor_parallel.packing import find_packing
+from fxpar.passes.tensor_parallel.rules import fused, rule_for
 from fxpar.passes.tensor_parallel.rules.partial import keep_partial
 from fxpar.passes.tensor_parallel.styles import param_dim
 
@@ -36,10 +39,12 @@ REPLICATE = Replicate()
 class Rewriter:
     """One TP rank's graph from ``program``'s: ``env`` maps old nodes to new ones, ``place`` new nodes to
     their placements. ``keep_outputs``: graph outputs to compute (None: all); ``sequence_parallel``:
-    activations between blocks are sharded along the sequence."""
+    activations between blocks are sharded along the sequence. ``derived``: per-channel parameters
+    sharded though no style names them (:mod:`.channels`), FQN -> dim."""
 
     def __init__(self, program: Program, styles: dict[str, str], tp: int, rank: int, group: str, *,
-                 keep_outputs: set[int] | None = None, sequence_parallel: bool = False):
+                 keep_outputs: set[int] | None = None, sequence_parallel: bool = False,
+                 derived: dict[str, int] | None = None):
         self.program, self.styles, self.tp, self.rank, self.group = program, styles, tp, rank, group
         self.keep_outputs, self.sp = keep_outputs, sequence_parallel
         self.graph = torch.fx.Graph()
@@ -48,14 +53,25 @@ class Rewriter:
         self.f_cache: dict[torch.fx.Node, torch.fx.Node] = {}  # value -> it with its gradient all-reduced
         self.param_dim: dict[str, int] = {}  # canonical FQN -> sharded dim
         self.fallbacks: list[str] = []
+        self.why_whole: dict[str, str] = {}  # FQN a rule keeps whole on purpose -> why (reasons.py)
         self.grad_flows = grad_flow(program)  # old nodes a gradient flows through
         self.transposed = conv1d_weights(program)  # weights an addmm reads as [in, out]
-        # fused projections ([q; k; v], [gate; up]) cut part by part: split op -> parts, FQN -> parts
-        self.packed_splits, self.segments = packed_segments(program, tp)
+        # fused projections ([q; k; v], [gate; up]) cut part by part: split op -> parts, FQN -> parts; some
+        # pieces whole on every rank (multi-query K/V, packing.py); per-output placements of their splits
+        self.packing = find_packing(program, tp, linear_weight)
+        self.packed_splits = {n: list(f.pieces) for n, f in self.packing.cuts.items()}
+        self.segments = dict(self.packing.params)
+        self.item_place: dict[torch.fx.Node, list[Placement]] = {}
+        # 3-D expert weights, cut inside each expert as their matmuls use them (experts.py)
+        self.experts = expert_layouts(program, styles, tp)
+        self.packed_splits.update(self.experts.splits)
+        self.segments.update(self.experts.pieces)
+        self.dispatched: dict = {}  # (f on the tokens, a node of the experts' token gather) -> its copy
         self.partial_src: dict[torch.fx.Node, torch.fx.Node] = {}  # partial new node -> its old node
         self.reduced: dict[torch.fx.Node, torch.fx.Node] = {}  # partial new node -> its sum
         self.local_inputs: dict[str, int] = {}  # user inputs each rank passes a shard of (a KV cache) -> dim
         self.local_values: set[torch.fx.Node] = set()  # those shards updated in place: outputs kept ungathered
+        self.channels = ChannelParams(program, derived or {})  # per-channel parameters wanted cut / whole
 
     # ---- placements ---------------------------------------------------------------------------------
     def call(self, target, args, kwargs=None, like: torch.fx.Node | None = None,
@@ -96,6 +112,7 @@ class Rewriter:
         d = self.shard_dim(new)
         if d is None:
             return new
+        self.channels.gathered(old)
         return self.call(fxpar_ops.all_gather.default, (new, self.group, d), like=old)
 
     def slice_to(self, new: torch.fx.Node, old: torch.fx.Node, d: int) -> torch.fx.Node:
@@ -104,6 +121,7 @@ class Rewriter:
             return new
         if not self.is_replicated(new):
             new = self.replicate(new, old)
+        self.channels.cut(old, d)
         return self.call(fxpar_ops.scatter_slice.default, (new, self.group, d), like=old, place=Shard(d))
 
     def sum_grad(self, new: torch.fx.Node, like: torch.fx.Node | None = None) -> torch.fx.Node:
@@ -146,6 +164,7 @@ class Rewriter:
 
     # ---- the pass -----------------------------------------------------------------------------------
     def run(self) -> torch.fx.Graph:
+        self.graph_started = False
         for old in self.program.graph.nodes:
             if old.op == "placeholder":
                 new = self.graph.placeholder(old.name)
@@ -162,6 +181,9 @@ class Rewriter:
                         for i, a in enumerate(old.args[0])]
                 new = self.graph.output(tuple(outs))
             else:
+                if not self.graph_started:  # parameters with whole pieces: their rows' gradients (rules/fused.py)
+                    self.graph_started = True
+                    fused.scale_whole_rows(self)
                 new = self.rewrite(old)
             self.env[old] = new
         return self.graph
@@ -170,7 +192,11 @@ class Rewriter:
         fqn = old.meta.get(meta.PARAM)
         if not fqn:
             return None
-        d = param_dim(self.program, fqn, self.styles, self.transposed, self.segments, self.tp)
+        if fqn in self.experts.dims:  # an expert weight: as the graph uses it, whatever its module's style
+            d = self.experts.dims[fqn]
+        else:
+            d = param_dim(self.program, fqn, self.styles, self.transposed, self.segments, self.tp)
+        d = self.channels.derived.get(fqn) if d is None else d
         if d is not None:
             self.param_dim[fqn] = d
         return d
@@ -183,4 +209,6 @@ class Rewriter:
             if kept is not None:
                 return kept
             args, kwargs = map_arg((args, kwargs), lambda n: self.materialize(n) if self.is_partial(n) else n)
+        if old in self.packing.cuts and fused.is_fused_cut(self, old, args):  # q, k, v out of a fused value
+            return fused.cut(self, old, args, kwargs)
         return rule_for(old)(self, old, args, kwargs)

@@ -6,6 +6,10 @@ the model config's head counts. Writes nothing.
 Style names are those of transformers' ``base_model_tp_plan`` (and the issue's user plans). The pass
 needs from a style only how the module's parameters are cut; what happens between layers follows from
 the graph (a "gather_output" or "split_input" variant gathers only where a consumer needs it).
+
+:func:`styles_for` is what the pass uses: a user's plan as given; a model's own plan completed, for the
+modules it does not name, by :func:`infer_styles` (:mod:`.inference`, then the carriers walk here); no
+plan, everything inferred. Inferred styles that do not divide by tp leave their weights whole.
 """
 
 from __future__ import annotations
@@ -18,21 +22,60 @@ import torch.fx
 
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
-from fxpar.ir.op_classes import is_pointwise, packet
+from fxpar.ir.op_classes import ASSERTS, is_pointwise, packet
 from fxpar.ir.program import Program
-from fxpar.passes.tensor_parallel.layouts import linear_weight
+from fxpar.passes.tensor_parallel.inference import infer_pairs
+from fxpar.passes.tensor_parallel.layouts import linear_weight, node_ndim
 
 aten = torch.ops.aten
 
-COLWISE = frozenset({"colwise", "colwise_gather_output", "packed_colwise"})  # output features
-ROWWISE = frozenset({"rowwise", "rowwise_split_input", "packed_rowwise"})  # input features
+# Every style name transformers 5.23 registers (``ALL_PARALLEL_STYLES``, used in the configs'
+# ``base_model_tp_plan`` and the heads' ``_tp_plan``) maps to one of these sets. Where a variant differs
+# from its base only in the layouts it asks for between modules (``colwise_gather_output`` /
+# ``colwise_rep``: the output replicated; ``rowwise_split_input`` / ``rowwise_rep``: the input
+# replicated), the graph decides: a shard is gathered where a consumer needs the whole tensor, a
+# replicated input is sliced without communication. ``packed_*`` cut fused [gate; up] weights part by
+# part (the pieces come from the graph, layouts.packed_segments).
+COLWISE = frozenset({"colwise", "colwise_gather_output", "colwise_rep", "packed_colwise"})  # output features
+ROWWISE = frozenset({"rowwise", "rowwise_split_input", "rowwise_rep", "packed_rowwise"})  # input features
 VOCAB = frozenset({"vocab_parallel", "embedding_rowwise"})  # embedding rows (the vocabulary)
 EMBEDDING_COLWISE = frozenset({"embedding_colwise"})  # embedding columns (hidden features)
-# markers: parameters stay whole (a replicated parameter that meets a sharded value gets its gradient
-# all-reduced by the graph rule anyway; an MoE experts module's output is a partial sum by the rules)
+# markers: the module's own parameters stay whole, the graph rules do what the style's hooks do there:
+# replicate / replicated_with_grad_allreduce / local_params (a replicated parameter that meets a shard gets
+# its gradient summed over the ranks by the elementwise rule); mla_kv_a_proj (the rope part that bypasses
+# kv_b_proj: the same); moe_tp_experts / all_reduce (a module whose output is a partial sum: the rules keep
+# it Partial() and reduce it where a consumer needs the sum); moe_identity_expert (transformers divides the
+# identity expert's input by tp because its hooks sum every expert's output; here only the partial
+# experts' sum is reduced, so nothing is divided); sequence_parallel (Plan.sequence_parallel turned on).
+# grouped_gemm / ep_dispatch_experts name expert placement in ``base_model_ep_plan``: Plan(ep=N) places
+# the experts (passes/expert_parallel.py); under TP alone they are markers.
 MARKERS = frozenset({"replicate", "replicated_with_grad_allreduce", "moe_tp_experts", "local_params",
-                     "mla_kv_a_proj", "sequence_parallel"})
-STYLES = tuple(sorted(COLWISE | ROWWISE | VOCAB | EMBEDDING_COLWISE | MARKERS))
+                     "mla_kv_a_proj", "sequence_parallel", "all_reduce", "moe_identity_expert", "grouped_gemm",
+                     "ep_dispatch_experts"})
+STYLES = tuple(s for family in (COLWISE, ROWWISE, VOCAB, EMBEDDING_COLWISE, MARKERS) for s in sorted(family))
+
+
+class Styles(dict):
+    """Module (or parameter) FQN -> style, as the pass uses them. ``inferred``: the keys whose style came
+    from the graph rather than a plan (a cut that does not divide by tp leaves those whole instead of
+    raising); ``skipped``: module -> why a candidate the inference found stays whole (heads or features
+    that do not divide)."""
+
+    def __init__(self, *args, inferred: set[str] | None = None, skipped: dict[str, str] | None = None):
+        super().__init__(*args)
+        self.inferred = set(inferred or ())
+        self.skipped = dict(skipped or {})
+
+
+def styles_for(program: Program, plan: dict[str, str] | None, tp: int, user: bool = False) -> Styles:
+    """The styles the pass uses. A user's plan (``user``): exactly its entries, strictly checked. A
+    model's own ``base_model_tp_plan``: its entries this pass knows, plus column/row pairs, token
+    embeddings and the LM head inferred from the graph for every module the plan does not name
+    (shared experts, MLA's kv_b_proj, extra gates, towers). No plan: everything inferred."""
+    if user:
+        return Styles(resolve_styles(program, plan or {}, strict=True))
+    taken = resolve_styles(program, plan, strict=False) if plan else {}
+    return infer_styles(program, tp, taken)
 
 
 def resolve_styles(program: Program, plan: dict[str, str], strict: bool = True) -> dict[str, str]:
@@ -63,17 +106,34 @@ def resolve_styles(program: Program, plan: dict[str, str], strict: bool = True) 
 _CARRIERS = {aten.view, aten.reshape, aten._unsafe_view, aten.transpose, aten.permute, aten.unsqueeze,
              aten.contiguous, aten.alias, aten.clone, aten.to, aten._to_copy, aten.dropout, aten.expand,
              aten.scaled_dot_product_attention, aten.matmul, aten.softmax, aten._softmax, aten.chunk, aten.split,
-             aten.split_with_sizes, aten.slice, aten.index, aten.cat, aten.flatten, aten.broadcast_to, aten.squeeze}
+             aten.split_with_sizes, aten.slice, aten.index, aten.cat, aten.flatten, aten.broadcast_to, aten.squeeze,
+             # state-space scans: per-channel convolutions, steps of the recurrence picked and stacked
+             aten.conv1d, aten.convolution, aten.select, aten.stack, aten.cumsum, aten.einsum, aten.pad,
+             aten.repeat_interleave, aten.zeros_like, aten.tril,
+             aten.mean, aten.sum}  # a gated RMS norm over the channels (a partial sum of squares)
 _CACHE_WRITES = {aten.index_copy_, aten.index_copy}  # keys/values written into a KV cache, read by attention
 
 
-def infer_styles(program: Program) -> dict[str, str]:
-    """A column/row plan from the graph, for models without one: a linear whose output reaches, through
-    views, transposes, elementwise ops and attention only, other linears is column-parallel, and those
-    are row-parallel. A wrong guess costs only speed: the pass gathers where a shard cannot go on."""
-    styles: dict[str, str] = {}
+def infer_styles(program: Program, tp: int | None = None, taken: dict[str, str] | None = None) -> Styles:
+    """Styles from the graph for every module ``taken`` (a model's plan) leaves unstyled: the
+    shard-following inference of :mod:`.inference` (column/row pairs, token embeddings, the LM head;
+    ``tp``: what heads and features must divide by), then, for linears still whole, the carriers walk
+    below (it passes convolutions and scans the first does not follow). ``taken`` is kept as given."""
+    taken = dict(taken or {})
+    found, skipped = infer_pairs(program, tp or 1, taken)
+    whole = {k: "replicate" for k in skipped}  # heads or features that do not divide: no pair either way
+    found.update({k: v for k, v in _carrier_pairs(program, {**whole, **taken, **found}).items()
+                  if k not in taken and k not in found and k not in whole and k is not None})
+    return Styles({**taken, **found}, inferred=set(found), skipped={k: v for k, v in skipped.items() if k not in found})
+
+
+def _carrier_pairs(program: Program, taken: dict[str, str]) -> dict[str, str]:
+    """A column/row plan from the graph: a linear whose output reaches, through views, transposes,
+    elementwise ops and attention only, other linears is column-parallel, and those are row-parallel.
+    A wrong guess costs only speed: the pass gathers where a shard cannot go on."""
+    styles: dict[str, str] = dict(taken)
     for node in program.graph.nodes:
-        if linear_weight(node)[0] is None or node.meta.get(meta.MODULE) in styles:
+        if _weight(node) is None or _owner(node) in styles:
             continue
         ends, ok, seen, todo = [], True, set(), list(node.users)
         while todo and ok:
@@ -81,30 +141,53 @@ def infer_styles(program: Program) -> dict[str, str]:
             if user in seen:
                 continue
             seen.add(user)
-            if linear_weight(user)[0] is not None:
+            if _weight(user) is not None:
                 ends.append(user)
             elif packet(user) in _CARRIERS or user.target is operator.getitem or (user.op == "call_function"
                                                                                    and is_pointwise(user)):
                 todo.extend(user.users)
+            elif packet(user) in ASSERTS:  # a dtype check before a cast reads nothing on
+                continue
             elif packet(user) in _CACHE_WRITES:  # the cache itself is returned: only its readers matter
                 todo.extend(u for u in user.users if u.op != "output")
             else:
                 ok = False
-        if ok and ends and not any(e.meta.get(meta.MODULE) in styles for e in ends):
-            styles[node.meta.get(meta.MODULE)] = "colwise"
+        # consumers already row-parallel (a Mamba mixer's dt_proj feeds the out_proj in_proj feeds) agree
+        if ok and ends and all(styles.get(_owner(e), "rowwise") == "rowwise" for e in ends):
+            styles[_owner(node)] = "colwise"
             for e in ends:
-                styles[e.meta.get(meta.MODULE)] = "rowwise"
+                styles[_owner(e)] = "rowwise"
     return styles
+
+
+def _weight(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The weight of a linear-like node, ``W @ x`` with a 2-D parameter W on the left included."""
+    w = linear_weight(node)[0]
+    if w is None and packet(node) is aten.matmul and isinstance(node.args[0], torch.fx.Node) \
+            and node.args[0].meta.get(meta.PARAM) and node_ndim(node.args[0]) == 2:
+        w = node.args[0]
+    return w
+
+
+def _owner(node: torch.fx.Node) -> str:
+    """The module a linear-like node's style is keyed on: its own, or, for ``W @ x`` written inside a
+    parent module (Mamba's ``self.dt_proj.weight @ dt``), the weight's."""
+    w = linear_weight(node)[0]
+    return node.meta.get(meta.MODULE) if w is not None else _weight(node).meta[meta.PARAM].rpartition(".")[0]
 
 
 def param_dim(program: Program, fqn: str, styles: dict[str, str], transposed: set[str],
               segments: dict[str, list[int]], tp: int) -> int | None:
     """The dim parameter ``fqn`` is cut along under ``styles`` (None: kept whole). ``transposed``: weights
-    laid out [in, out] (Conv1D); ``segments``: the piece sizes of fused weights, each of which must divide."""
+    laid out [in, out] (Conv1D); ``segments``: the piece sizes of fused weights, each of which must divide
+    (a plan's style that does not divide is an error; an inferred one, :attr:`Styles.inferred`, stays whole)."""
     info = program.params[fqn]
-    style = None
+    style, key = None, None
     for name in info.fqns:
-        style = styles.get(name) or styles.get(name.rpartition(".")[0]) or style
+        for k in (name, name.rpartition(".")[0]):
+            if styles.get(k):
+                style, key = styles[k], k
+                break
     nd, t = len(info.shape), fqn in transposed
     d = None
     if nd == 0:  # a scalar (e.g. a normaliser buffer) is never cut
@@ -113,10 +196,13 @@ def param_dim(program: Program, fqn: str, styles: dict[str, str], transposed: se
         d = 0 if nd == 1 else nd - 1 if t else nd - 2
     elif style in ROWWISE and nd >= 2:  # a row-parallel layer's bias is added after the reduction
         d = nd - 2 if t else nd - 1
+        segments.pop(fqn, None)  # pieces of its output (Mamba's x_proj -> dt, B, C) are not of this dim
     elif style in EMBEDDING_COLWISE and nd == 2:
         d = 1
     if d is not None:
         for size in segments.get(fqn, [info.shape[d]]):
+            if size % tp and key in getattr(styles, "inferred", ()):
+                return None
             if size % tp:
                 raise PlanError(f"{fqn} has {info.shape[d]} rows along dim {d}"
                                 f"{f' (packed parts {segments[fqn]})' if fqn in segments else ''}, "
@@ -131,11 +217,18 @@ _KV_HEADS = ("num_key_value_heads", "num_kv_heads")
 
 def check_heads(program: Program, styles: dict[str, str], tp: int) -> None:
     """Attention heads must divide over the TP ranks when the plan shards attention projections; key/
-    value heads may be fewer than the ranks (each rank then uses a copy of its group's KV head)."""
+    value heads may be fewer than the ranks (each rank then uses a copy of its group's KV head). Checks
+    the plan's column-parallel modules whose output reaches attention in the graph, against the head
+    counts of the (text) config; inferred styles are checked by the inference itself, on the graph's
+    own head dims (a pair whose heads do not divide stays whole)."""
     config = getattr(program.root, "config", None)
-    attn = sorted({m.rpartition(".")[0] for m, st in styles.items() if st in COLWISE
-                   and "att" in m.rpartition(".")[0].lower()})
-    if config is None or not attn or tp == 1:
+    if config is None or tp == 1:
+        return
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    planned = {m for m, st in styles.items() if st in COLWISE and m not in getattr(styles, "inferred", ())}
+    attn = sorted({(n.meta.get(meta.MODULE) or "").rpartition(".")[0] for n in program.graph.nodes
+                   if n.meta.get(meta.MODULE) in planned and linear_weight(n)[0] is not None and _reaches_attention(n)})
+    if not attn:
         return
     fix = "use a tp degree that divides it, or leave the attention projections out of tp_plan"
     for key in _HEADS:
@@ -149,3 +242,21 @@ def check_heads(program: Program, styles: dict[str, str], tp: int) -> None:
         if isinstance(kv, int) and kv % tp and tp % kv:
             raise PlanError(f"{attn[0]}: {kv} key/value heads ({key}) neither divide over tp={tp} nor divide it "
                             f"(each rank needs whole KV heads or a copy of one); {fix}")
+
+
+def _reaches_attention(node: torch.fx.Node, depth: int = 12) -> bool:
+    """Whether ``node``'s output reaches, within ``depth`` ops, attention: SDPA or a 4-D batched matmul."""
+    todo, seen = [(node, 0)], set()
+    while todo:
+        n, k = todo.pop()
+        for u in n.users:
+            if u in seen or k >= depth:
+                continue
+            seen.add(u)
+            if packet(u) is aten.scaled_dot_product_attention or (packet(u) in (aten.matmul, aten.bmm) and
+                                                                   linear_weight(u)[0] is None and node_ndim(u) >= 3):
+                return True
+            if linear_weight(u)[0] is None:
+                todo.append((u, k + 1))
+    return False
+

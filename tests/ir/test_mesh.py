@@ -38,4 +38,4 @@ def test_bad_mesh_is_refused():
     with pytest.raises(ValueError, match="rank=8"):
         MeshSpec(dp=2, tp=4, rank=8)
     with pytest.raises(ValueError, match="unknown mesh axis"):
-        MeshSpec().group_name("ep")
+        MeshSpec().group_name("cp")

@@ -20,16 +20,19 @@ from fxpar.ir.op_classes import packet
 from fxpar.passes.tensor_parallel.rules import (  # the families register their rules on import
     attention,
     cache,
+    conv,
     embedding,
     linear,
     loss,
     pointwise,
+    ssm,
     views,
 )
 from fxpar.passes.tensor_parallel.rules.pointwise import pointwise_or_gather
 from fxpar.passes.tensor_parallel.rules.registry import RULES, Rule, rule
 
-__all__ = ["RULES", "Rule", "attention", "cache", "embedding", "linear", "loss", "pointwise", "rule", "rule_for", "views"]
+__all__ = ["RULES", "Rule", "attention", "cache", "conv", "embedding", "linear", "loss", "pointwise", "rule", "rule_for",
+           "ssm", "views"]
 
 
 def rule_for(node: torch.fx.Node) -> Rule:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpar.ir import meta
 from fxpar.ir.op_classes import ASSERTS, LINEAR_UNARY, packet
 from fxpar.ir.placement import Partial
 
@@ -30,13 +31,17 @@ def keep_partial(rw, old, args, kwargs) -> torch.fx.Node | None:
         ok = len(partial) == 1
     elif pkt is aten.div:
         ok = partial == [first]
-    elif pkt in (aten.add, aten.sub, aten.add_):
-        ok = len(partial) == len(olds) and kwargs.get("alpha", 1) == 1 and (len(args) < 3 or args[2] == 1)
+    elif pkt is aten.cat:  # the experts' partial outputs of a loop over experts, put back together
+        ok = len(partial) == len(olds)
+    elif pkt in (aten.add, aten.sub, aten.add_):  # partial + scalar would add the scalar tp times
+        ok = len(partial) == len(olds) and kwargs.get("alpha", 1) == 1 and (len(args) < 3 or args[2] == 1) \
+            and all(isinstance(a, torch.fx.Node) for a in old.args[:2])
     if not ok:
         return None
     fixed = {}
     for a in olds:  # a replicated factor of a partial value gets a partial gradient: sum it
-        if a not in partial and a in rw.grad_flows:
+        v = a.meta.get(meta.VAL)  # (integer values, e.g. the experts' token order, carry none)
+        if a not in partial and a in rw.grad_flows and isinstance(v, torch.Tensor) and v.is_floating_point():
             n = rw.env[a]
             fixed[n] = rw.sum_grad(n, like=a)
     args, kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: fixed.get(n, n))

@@ -1,7 +1,9 @@
-"""Rules for ops that keep a layout in place: pass-through ops, softmax and reductions over other dims,
-and the fallback for every op without a rule: elementwise ops keep a shard, any other op is gathered."""
+"""Rules for ops that keep a layout in place: pass-through ops, softmax and reductions over other dims
+(a sum or mean over the shard: a partial sum), and the fallback for every op without a rule: elementwise ops keep a shard, any other op is gathered."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -9,9 +11,11 @@ from fxpar.ir import (
     function_op,  # noqa: F401  (defines torch.ops.fxpar.autograd_function)
     meta,
 )
-from fxpar.ir.op_classes import ASSERTS, PASS_THROUGH, REDUCTIONS, SOFTMAX, is_pointwise
-from fxpar.ir.placement import as_placement
+from fxpar.ir.op_classes import ASSERTS, PASS_THROUGH, REDUCTIONS, SOFTMAX, is_pointwise, packet
+from fxpar.ir.placement import Partial, as_placement
 from fxpar.passes.tensor_parallel.rules.registry import rule
+
+aten = torch.ops.aten
 
 
 @rule(*ASSERTS)
@@ -37,7 +41,9 @@ def softmax(rw, old, args, kwargs):
 
 @rule(*REDUCTIONS)
 def reduction(rw, old, args, kwargs):
-    """A reduction over other dims than the shard keeps it (moved left past removed dims); over it, gathered."""
+    """A reduction over other dims than the shard keeps it (moved left past removed dims). A sum over it
+    is this rank's sum, ``Partial()``; a mean over it this rank's sum divided by the full count (an RMS
+    norm over sharded channels: the sum of squares all-reduced, one small tensor); max/min, gathered."""
     d = rw.shard_dim(args[0])
     if d is None:
         return pointwise_or_gather(rw, old, args, kwargs)
@@ -46,6 +52,13 @@ def reduction(rw, old, args, kwargs):
     dims = [dims] if isinstance(dims, int) else list(dims or range(nd))
     dims = [x % nd for x in dims]
     keep = old.args[2] if len(old.args) > 2 else kwargs.get("keepdim", False)
+    if d in dims and packet(old) in (aten.sum, aten.mean):
+        dtype = {"dtype": kwargs["dtype"]} if kwargs.get("dtype") is not None else {}
+        out = rw.call(aten.sum.dim_IntList, (args[0], dims, keep), dtype, like=old, place=Partial())
+        if packet(old) is aten.mean:
+            count = math.prod(old.args[0].meta[meta.VAL].shape[x] for x in dims)
+            out = rw.call(aten.div.Tensor, (out, count), like=old, place=Partial())
+        return out
     if d in dims:
         return pointwise_or_gather(rw, old, args, kwargs, force_gather=True)
     return rw.call(old.target, args, kwargs, like=old, place=as_placement(d if keep else d - sum(x < d for x in dims)))

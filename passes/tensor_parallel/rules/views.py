@@ -19,6 +19,7 @@ from fxpar.passes.tensor_parallel.layouts import (
     split_dim,
     transpose_map,
 )
+from fxpar.passes.tensor_parallel.rules.fused import whole_piece
 from fxpar.passes.tensor_parallel.rules.pointwise import pointwise_or_gather
 from fxpar.passes.tensor_parallel.rules.registry import rule
 
@@ -35,12 +36,14 @@ def view(rw, old, args, kwargs):
     src = tuple(old.args[0].meta[meta.VAL].shape)
     dst = tuple(old.meta[meta.VAL].shape)
     od = reshape_dim(src, dst, d)
-    if od is None or dst[od] % rw.tp:
+    fused = rw.packing.values.get(old)  # a fused value with whole pieces: its local size from them
+    local = sum(fused.local(rw.tp)) if fused is not None and od == fused.dim else None
+    if od is None or (local is None and dst[od] % rw.tp):
         x = rw.replicate(x, old.args[0])
         return rw.call(old.target, (x, *args[1:]), kwargs, like=old)
     sizes = list(args[1])
     if sizes[od] != -1:
-        sizes[od] = dst[od] // rw.tp
+        sizes[od] = dst[od] // rw.tp if local is None else local
     return rw.call(old.target, (x, sizes, *args[2:]), kwargs, like=old, place=as_placement(od))
 
 
@@ -118,6 +121,8 @@ def split(rw, old, args, kwargs):
     dim = split_dim(old) % nd
     if dim != d:
         return rw.call(old.target, args, kwargs, like=old, place=as_placement(d))
+    if _strided_group(rw, old, dim):  # one group of an interleaving ([::2], [1::2]): the same slice locally
+        return rw.call(old.target, args, kwargs, like=old, place=as_placement(d))
     if old not in rw.packed_splits:
         x = rw.replicate(x, old.args[0])
         return rw.call(old.target, (x, *args[1:]), kwargs, like=old)
@@ -141,6 +146,10 @@ def getitem(rw, old, args, kwargs):
     """A piece of a split (or of an elementwise Function's result list) keeps its shard; anything else
     taken from a tuple is replicated."""
     src = args[0]
+    if src in rw.item_place:  # a piece of a fused value: cut, or whole on every rank (rules/fused.py)
+        place = rw.item_place[src][args[1]]
+        new = rw.call(old.target, args, kwargs, like=old, place=place)
+        return whole_piece(rw, new, old) if isinstance(place, Replicate) else new
     place = rw.place.get(src, Replicate()) if packet(src) in SPLITS or is_function_node(src) else Replicate()
     return rw.call(old.target, args, kwargs, like=old, place=place)
 
@@ -165,6 +174,24 @@ def index(rw, old, args, kwargs):
     if d is None:
         return pointwise_or_gather(rw, old, args, kwargs)
     used = [i for i, t in enumerate(indices) if t is not None]
-    if used and min(used) > d and all(rw.is_replicated(t) for t in indices if isinstance(t, torch.fx.Node)):
+    replicated = all(rw.is_replicated(t) for t in indices if isinstance(t, torch.fx.Node))
+    if used and min(used) > d and replicated:
         return rw.call(old.target, args, kwargs, like=old, place=as_placement(d))
+    if used and max(used) < d and used == list(range(used[0], used[-1] + 1)) and replicated:
+        # indices in one block before the shard (expert weights gathered by router output): their dims
+        # replace the block's, the shard moves with the dims after it
+        nd_idx = max(rw.ndim(t) for t in old.args[1] if isinstance(t, torch.fx.Node))
+        return rw.call(old.target, args, kwargs, like=old, place=as_placement(d - len(used) + nd_idx))
     return pointwise_or_gather(rw, old, args, kwargs, force_gather=True)
+
+
+def _strided_group(rw, old, dim: int) -> bool:
+    """A slice ``[start::step]`` over a whole dim whose local part holds whole groups of ``step``: each
+    rank's slice is its part of the sliced value (gate/up interleaved as ``[g0, u0, g1, u1, ...]``)."""
+    if packet(old) is not aten.slice:
+        return False
+    given = split_args(old)
+    size = old.args[0].meta[meta.VAL].shape[dim]
+    start, end = slice_bounds(given, size)
+    step = given.get("step", 1)
+    return step > 1 and start < step and end == size and (size // rw.tp) % step == 0
