@@ -23,15 +23,17 @@ from fxpar.cost.predict import annotate_stages, memory_per_rank
 from fxpar.frontend.export import capture_export
 from fxpar.frontend.lower import program_from_exported
 from fxpar.ir.batch import batch_size, split_batch
-from fxpar.ir.errors import TraceError
+from fxpar.ir.errors import PlanError, TraceError
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.optim import ParamGroups
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.schedule import build_schedule
 from fxpar.ir.stage import CompileResult
+from fxpar.passes.expert_parallel import expert_regions, router_load
 from fxpar.passes.lower_collectives import lower_collectives
 from fxpar.planner import feasibility
+from fxpar.report.tp_coverage import warn_if_replicated
 from fxpar.runtime import liveness
 from fxpar.runtime.grad_norm import check_max_grad_norm
 from fxpar.runtime.groups import mesh_groups
@@ -100,6 +102,7 @@ class _Builder:
         self.on_meta = any(p.is_meta for p in model.parameters())
         self.cuts: list[tuple[str, str]] | None = None
         self.shared: dict = {}  # tensors every signature shares (TP shards, ZeRO-3 shards, loaded weights)
+        self.coverage_checked = False  # the TP coverage warning: once per compile, on rank 0
 
     def _load(self, fqns, layout, like):
         return self.weights.load(fqns, layout, like)
@@ -117,7 +120,7 @@ class _Builder:
     def __call__(self, flat: list, spec, setup: feasibility.PipelineSetup,
                  program: Program | None = None) -> CompileResult:
         plan = self.plan
-        mb = split_batch(flat, setup.batch, setup.microbatches * plan.dp)[0]
+        mb = split_batch(flat, setup.batch, setup.microbatches * setup.dp)[0]  # setup.dp: dp x ep replicas
         if self.on_meta:  # a meta model is traced on meta inputs
             mb = [v.to("meta") if isinstance(v, torch.Tensor) else v for v in mb]
         if program is None:
@@ -134,6 +137,9 @@ class _Builder:
                                  load=self._load if self.weights is not None else None, traced_on_meta=self.on_meta,
                                  shared=self.shared, param_group=self.groups.index if self.groups else None)
         local, pipeline = passes.run(program, ctx)
+        if not self.coverage_checked and self.mesh.rank == 0:  # a plan leaving big weights whole says so once
+            self.coverage_checked = True
+            warn_if_replicated(program.params, ctx.out.tp)
         if self.weights is not None:
             self.weights.done()
         feasibility.check_zero3_ties(plan, feasibility.tied_across_ranks(pipeline, setup.stage_to_rank))
@@ -209,9 +215,23 @@ def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), ex
     them). The result cannot run; ``step`` and ``__call__`` raise."""
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     mesh = MeshSpec.for_plan(plan, rank)
-    return _compile(model, plan, mesh, example_args, example_kwargs, optimizer=optimizer, device=None,
-                    device_model=device_model, frontend=frontend, timeout=None, program=None, weights=weights,
-                    dry=True, groups=ParamGroups.from_rule(model, param_groups) if param_groups is not None else None)
+    priced = _compile(model, plan, mesh, example_args, example_kwargs, optimizer=optimizer, device=None,
+                      device_model=device_model, frontend=frontend, timeout=None, program=None, weights=weights,
+                      dry=True, groups=ParamGroups.from_rule(model, param_groups) if param_groups is not None else None)
+    if plan.ep > 1 and not priced._build.on_meta:  # the experts' load the example batch gives (ep.stats)
+        priced.ep.set_load(_expert_load(priced, example_args, example_kwargs))
+    return priced
+
+
+def _expert_load(priced: CompiledModel, example_args, example_kwargs) -> dict:
+    """Per MoE layer, ``[ep, E]``: the tokens each replica of ``priced``'s ep group routes to each expert in
+    the example batch, from the traced program run on this process (``fxpar.passes.expert_parallel``)."""
+    program, spec, m = priced.result.traced, priced.spec, priced.m
+    flat = program.flatten_inputs(tuple(example_args), dict(example_kwargs or {}))
+    mbs = split_batch(flat, batch_size(flat), spec.replicas * m)
+    first = spec.dp_rank * spec.ep * m  # this rank's ep group: replicas dp_rank * ep + e, m microbatches each
+    counts = router_load(program, spec.ep, mbs[first:first + spec.ep * m])
+    return {layer: c.view(spec.ep, m, -1).sum(1) for layer, c in counts.items()}
 
 
 def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *, optimizer, device, device_model,
@@ -226,11 +246,31 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
     setup = feasibility.pipeline_setup(plan, batch_size(flat))
     actions = build_schedule(setup.schedule, plan.pp, setup.microbatches, setup.n_stages)
     source = WeightSource(model, weights, rank=mesh.tp_rank) if weights is not None else None
+    builder = _Builder(model, plan, mesh, setup, actions, device, device_model, frontend, source, groups)
+    if plan.ep > 1:  # the experts are found on the first trace, checked before any communication
+        program = _check_experts(builder, plan, flat, example_args, example_kwargs, program, weights)
     dp_axis = "dp_shard" if plan.zero else "dp_replicate"
     device_mesh = None if dry or mesh.world_size == 1 else mesh_groups(mesh, device.type, dp_axis)  # communicates
-    builder = _Builder(model, plan, mesh, setup, actions, device, device_model, frontend, source, groups)
     return CompiledModel(builder, model, plan, mesh, setup, actions, example_args, example_kwargs, optimizer,
                          device=device, timeout=timeout, device_mesh=device_mesh, program=program, dry=dry,
                          predict_memory=lambda n, states: memory_per_rank(n, plan.zero, plan.dp, states),
                          lower_collectives=lower_collectives,  # for Plan(compile=True); runtime never imports passes
                          max_grad_norm=max_grad_norm, param_groups=groups)
+
+
+def _check_experts(builder: _Builder, plan: Plan, flat, example_args, example_kwargs, program,
+                   weights) -> Program:
+    """``Plan(ep=N)``: trace one microbatch (unless given) and find its expert regions
+    (``fxpar.passes.expert_parallel``): a PlanError for a model without experts or an expert count ep does
+    not divide, before any communication. Returns the trace, which compile then reuses."""
+    if weights is not None:
+        raise PlanError(f"Plan(ep={plan.ep}) does not take weights= yet (expert slices are cut from a "
+                        "materialised model): build the model on a device (docs/expert_parallel.md)")
+    if program is None:
+        _, spec = pytree.tree_flatten((tuple(example_args), dict(example_kwargs)))
+        mb = split_batch(flat, builder.setup.batch, builder.setup.microbatches * builder.setup.dp)[0]
+        if builder.on_meta:
+            mb = [v.to("meta") if isinstance(v, torch.Tensor) else v for v in mb]
+        program = trace(builder.model, *pytree.tree_unflatten(mb, spec), frontend=builder.frontend)
+    expert_regions(program, plan.ep)
+    return program

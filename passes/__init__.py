@@ -19,6 +19,7 @@ from fxpar.ir.program import Program
 from fxpar.ir.stage import PipelineProgram
 from fxpar.passes.collective_matmul import collective_matmul
 from fxpar.passes.drop_dtype_asserts import drop_dtype_asserts
+from fxpar.passes.expert_parallel import expert_parallel
 from fxpar.passes.fused_loss import fuse_loss
 from fxpar.passes.materialize_weights import materialize_weights
 from fxpar.passes.pipeline_split import loss_position, split_pipeline
@@ -51,6 +52,12 @@ def _tensor_parallel(program: Program, ctx: PassContext) -> Program:
     return program
 
 
+def _expert_parallel(program: Program, ctx: PassContext) -> Program:
+    program, ctx.shared["ep"] = expert_parallel(program, ctx.mesh.ep, ctx.mesh.ep_rank, ctx.group("ep"),
+                                                shards=ctx.shared.setdefault("ep_shards", {}))
+    return program
+
+
 def _split(program: Program, ctx: PassContext) -> PipelineProgram:
     return split_pipeline(program, ctx.cuts, ctx.stage_to_rank)
 
@@ -70,6 +77,9 @@ def _zero3(stage, ctx: PassContext):
 PROGRAM_PASSES = (  # Program -> Program: the whole traced graph, the same on every rank but for its TP coordinate
     Pass("fused_loss", _fused_loss, when=lambda c: c.plan.fused_loss),  # before TP: its rule splits the vocab
     Pass("tensor_parallel", _tensor_parallel, when=lambda c: c.mesh.tp > 1),  # before the split: layers still whole
+    # before the split too: each stage keeps its MoE layers' dispatch and combine; the EpResult goes to
+    # ctx.shared["ep"] (the compiled model's gradient groups, statistics and checkpoints read it)
+    Pass("expert_parallel", _expert_parallel, when=lambda c: c.mesh.ep > 1),
 )
 SPLIT = Pass("pipeline_split", _split)  # Program -> PipelineProgram; cuts chosen on the traced program (ctx.cuts)
 STAGE_PASSES = (  # StageSpec -> StageSpec, only the stages this rank runs, pass-major

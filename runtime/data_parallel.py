@@ -60,6 +60,7 @@ class _Bucket(FlatBucket):
         self.filled: set[int] = set()  # positions whose gradient is in ``flat`` this step
         self.waiting = 0  # gradients still to become final before the bucket can go
         self.shard: torch.nn.Parameter | None = None
+        self.group = ""  # the name of the group its gradients are reduced over (set by the engine)
 
     def local_flat(self, grads: bool) -> torch.Tensor:
         """A new padded flat buffer of the parameters' gradients (``grads``) or values."""
@@ -94,22 +95,32 @@ class DataParallelEngine:
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], optimizer_factory, *, dp: int,
                  rank: int, zero: int, group: str = "dp", bucket_bytes: int = 25 * 2**20, overlap: bool = True,
                  offload: bool = False, first_bucket_bytes: int | None = None,
-                 param_groups: ParamGroups | None = None, group_of: dict[int, int] | None = None):
-        """``param_groups``: the model's groups; ``group_of``: id(parameter) -> its group (with them)."""
+                 param_groups: ParamGroups | None = None, group_of: dict[int, int] | None = None,
+                 reduce_group=None):
+        """``param_groups``: the model's groups; ``group_of``: id(parameter) -> its group (with them).
+        ``reduce_group``: parameter -> ``(group name, size, this rank's index)`` it is reduced over, where
+        that is not ``(group, dp, rank)`` (expert parallelism: an expert slice over dp only); buckets
+        never mix reduction groups, each shards over its own."""
         self.dp, self.rank, self.zero, self.group = dp, rank, zero, group
         self.overlap = overlap  # (offload with zero other than 1 or 2 is refused by Plan itself)
         self.home = torch.device("cpu") if offload else None  # where shards and optimizer states live
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in named]
         group = (lambda p: group_of[id(p)]) if param_groups is not None else (lambda p: 0)
+        red = reduce_group or (lambda p: (self.group, dp, rank))
         self.buckets: list[_Bucket] = []
         if zero < 3:
             # torch DDP's first-bucket cap (1 MiB): the first gradients backward makes go out at once
             first = min(bucket_bytes, getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20)
                         if first_bucket_bytes is None else first_bucket_bytes)
             sharded = zero in (1, 2)  # only flat shards need one group per bucket (DDP steps whole parameters)
-            self.buckets = [_Bucket(ps, dp, rank, keep=zero < 2)
-                            for ps in bucket_params(named, first, bucket_bytes, group if sharded else None)]
+
+            def key(p):  # a bucket holds one optimizer group (flat shards) and one reduction group
+                return (group(p) if sharded else 0, red(p)[0])
+            self.buckets = [_Bucket(ps, *red(ps[0][1])[1:], keep=zero < 2)
+                            for ps in bucket_params(named, first, bucket_bytes, key)]
+            for b in self.buckets:
+                b.group = red(b.params[0])[0]
         self.slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         if zero in (1, 2):
             for b in self.buckets:
@@ -178,10 +189,10 @@ class DataParallelEngine:
         for i in range(len(b.params)):
             if i not in b.filled:  # the gradients not copied at their hook (first step, no overlap, none)
                 b.fill(i)
-        if self.dp == 1:  # nothing to reduce
+        if b.dp == 1:  # nothing to reduce
             b.work = _DONE
         else:
-            b.work = dist.all_reduce(b.flat, group=resolve_group(self.group), async_op=True)
+            b.work = dist.all_reduce(b.flat, group=resolve_group(b.group), async_op=True)
             self.comm["all_reduce"] += b.flat.numel() * b.flat.element_size()
         if self.zero == 2:  # the bucket holds the gradients now; the full ones go
             for p in b.params:
@@ -226,13 +237,13 @@ class DataParallelEngine:
             return
         self.optimizer.step()
         if self.zero in (1, 2):
-            pg = resolve_group(self.group) if self.dp > 1 else None
             for b in self.buckets:
                 device = b.params[0].device  # gathered where the parameters live (back from CPU if offloaded)
-                if self.dp == 1:  # the shard is the whole bucket
+                if b.dp == 1:  # the shard is the whole bucket
                     b.scatter_into(b.shard.detach().to(device))
                     continue
-                full = torch.empty(b.shard_numel * self.dp, dtype=b.shard.dtype, device=device)
+                pg = resolve_group(b.group)
+                full = torch.empty(b.shard_numel * b.dp, dtype=b.shard.dtype, device=device)
                 all_gather_single(full, b.shard.detach().to(device), group=pg)
                 self.comm["all_gather"] += full.numel() * full.element_size()
                 b.scatter_into(full)

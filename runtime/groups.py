@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from fxpar.ir import ops as ir_ops
 from fxpar.ir.errors import FxparError
-from fxpar.ir.mesh import AXES, MeshSpec
+from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.ops import dist_up as _dist_up
 
 if TYPE_CHECKING:
@@ -138,18 +138,25 @@ def new_subgroups(label: str, groups: Sequence[Sequence[int]], *,
 
 
 def mesh_groups(spec: MeshSpec, device_type: str, dp_axis: str = "dp_replicate") -> DeviceMesh | None:
-    """Build the ``(dp, pp, tp)`` ``DeviceMesh`` of ``spec`` (every rank of the world calls this, in the
-    same order: it creates process groups) and register this rank's group along each axis under its
-    full name, ``spec.group_name(axis)``. ``dp_axis`` names the mesh's data-parallel dimension
+    """Build the ``(dp, pp, tp)`` ``DeviceMesh`` of ``spec`` (``(dp, ep, pp, tp)`` with ep > 1; every rank
+    of the world calls this, in the same order: it creates process groups) and register this rank's group
+    along each axis under its full name, ``spec.group_name(axis)``, and with ep > 1 its group of data replicas
+    (``spec.replica_group_name()``). ``dp_axis`` names the mesh's data-parallel dimension
     (``"dp_shard"`` under ZeRO, ``"dp_replicate"`` without). Returns the mesh; None for a world of
     one rank, where nothing is registered (a one-rank name resolves to no group already)."""
     if spec.world_size == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, spec.shape, mesh_dim_names=(dp_axis, "pp", "tp"))
-    for axis, dim in zip(AXES, (dp_axis, "pp", "tp")):
+    dims = tuple(dp_axis if a == "dp" else a for a in spec.axes)  # ("dp", "ep", "pp", "tp") with ep > 1
+    mesh = init_device_mesh(device_type, spec.shape, mesh_dim_names=dims)
+    for axis, dim in zip(spec.axes, dims):
         register_group(spec.group_name(axis), mesh.get_group(dim))
+    if spec.ep > 1:  # expert parallelism: dense gradients average over every data replica (dp x ep)
+        for ranks in sorted({tuple(spec.replica_ranks(r)) for r in range(spec.world_size)}):
+            pg = dist.new_group(list(ranks))
+            if spec.rank in ranks:
+                register_group(spec.replica_group_name(), pg)
     return mesh
 
 

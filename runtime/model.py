@@ -32,6 +32,7 @@ from fxpar.ir.program import Program
 from fxpar.ir.stage import CompileResult, PipelineProgram
 from fxpar.runtime.compile import compile_enabled, compile_stage
 from fxpar.runtime.data_parallel import DataParallelEngine, held_bytes
+from fxpar.runtime.expert_parallel import ExpertParallelRecord
 from fxpar.runtime.generate import generate
 from fxpar.runtime.grad_norm import make_clipper
 from fxpar.runtime.liveness import guarded
@@ -53,8 +54,9 @@ class CompiledModel:
         self.model, self.plan, self.spec, self.setup = model, plan, mesh, setup
         self.mesh = device_mesh  # torch's DeviceMesh (None on one rank, or when only pricing the plan)
         self.world, self.rank = mesh.world_size, mesh.rank
+        # data replicas and this rank's: dp x ep with expert parallelism (each ep rank its own slice)
         self.dp, self.tp, self.pp_rank, self.dp_rank, self.tp_rank = (
-            plan.dp, plan.tp, mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
+            mesh.replicas, plan.tp, mesh.pp_rank, mesh.replica_rank, mesh.tp_rank)
         self.device, self.timeout, self.dry = device, timeout, dry
         self.schedule_name, self.schedule, self.m = setup.schedule, actions, setup.microbatches
         self.stage_to_rank = list(setup.stage_to_rank)
@@ -64,9 +66,12 @@ class CompiledModel:
         self._train = self.programs.get(example_args, example_kwargs, program)[0]
         self._tied_groups = make_tied_groups(self._train.pipeline, mesh, self.stage_to_rank, create=not dry)
         named = self._my_named_parameters(self._train.pipeline)
+        # Plan(ep=N): what the EP pass cut, the last step's all-to-all bytes and experts' loads
+        self.ep = ExpertParallelRecord(getattr(build, "shared", {}).get("ep"), self._train.program)
         self.engine, self.optimizer = make_engine(named, optimizer, param_groups, self._train, plan, mesh,
-                                                  overlap=not self._tied_groups)
-        self.clipper = make_clipper(max_grad_norm, self._train, mesh, named, self.engine, device)
+                                                  overlap=not self._tied_groups, experts=self.ep.expert_ids)
+        self.clipper = make_clipper(max_grad_norm, self._train, mesh, named, self.engine, device,
+                                    self.ep.info.experts if self.ep.info is not None else ())
 
     # ---- building ----------------------------------------------------------------------------------
     def _runtime(self, result: CompileResult) -> PipelineRuntime:
@@ -120,6 +125,7 @@ class CompiledModel:
             p.grad = None
         if self.engine is not None:
             self.engine.start_step(self.programs.last_key)  # gradient counts are learned per program
+        self.ep.start()  # the all-to-all bytes and the experts' loads of this step
         weights = self._mine(loss_weights(result.program, every, self.model))  # shares of the global batch
         out = runtime.run(self._mine(every), train=True, loss_weights=weights)
         sum_tied_grads(self._tied_groups, result.program, self.pp_rank)
@@ -140,6 +146,7 @@ class CompiledModel:
             self.optimizer.step()
         if work is not None:
             work.wait()
+        self.ep.finish()
         self.steps += 1
         return loss
 
@@ -190,7 +197,7 @@ class CompiledModel:
         ``grads=True``: the parameters' gradients from the last ``step`` instead (zeros where none)."""
         if self.plan.zero == 3:
             sync_zero3(self._train.zero3_buckets, self._train.program, self.spec.group_name("dp"), self.dp, grads)
-        return full_state_dict(self._train, self.model, self.spec, self.device, grads)
+        return full_state_dict(self._train, self.model, self.spec, self.device, grads, ep=self.ep.info)
 
     def memory(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds for parameters, gradients and optimizer states: ``predicted`` from parameter
@@ -239,9 +246,11 @@ class CompiledModel:
 
 
 def make_engine(named, factory, groups: ParamGroups | None, result: CompileResult, plan: Plan, mesh: MeshSpec,
-                overlap: bool):
+                overlap: bool, experts: set[int] = frozenset()):
     """(the data-parallel engine or None, the optimizer or None) for this rank's parameters ``named``. With
-    ``groups``, each parameter's group is its FQN's (a ZeRO-3 flat shard's: its bucket's, one group)."""
+    ``groups``, each parameter's group is its FQN's (a ZeRO-3 flat shard's: its bucket's, one group).
+    ``experts``: ids of expert slices (``Plan(ep=N)``): reduced over the dp group, every other parameter
+    over all ``dp x ep`` replicas."""
     group_of = None
     if groups is not None:
         canonical = {id(b.shard): b.names[0] for bs in result.zero3_buckets.values() for b in bs}
@@ -249,10 +258,14 @@ def make_engine(named, factory, groups: ParamGroups | None, result: CompileResul
         if mixed:  # the ZeRO-3 pass splits buckets by group; a mixed one would step some entries wrongly
             raise RuntimeError(f"fxpar.runtime.model: ZeRO-3 buckets {mixed[:2]} mix optimizer parameter groups")
         group_of = {id(p): groups.index(canonical.get(id(p), n)) for n, p in named}
-    if plan.dp > 1 or plan.zero:
-        engine = DataParallelEngine(named, factory, dp=plan.dp, rank=mesh.dp_rank, zero=plan.zero,
-                                    group=mesh.group_name("dp"), bucket_bytes=int((plan.bucket_mb or 25) * 2**20),
-                                    overlap=overlap, offload=plan.offload, param_groups=groups, group_of=group_of)
+    if mesh.replicas > 1 or plan.zero:
+        expert_group = (mesh.group_name("dp"), mesh.dp, mesh.dp_rank)
+        dense_group = (mesh.replica_group_name(), mesh.replicas, mesh.replica_rank)
+        engine = DataParallelEngine(named, factory, dp=mesh.replicas, rank=mesh.replica_rank, zero=plan.zero,
+                                    group=mesh.replica_group_name(), bucket_bytes=int((plan.bucket_mb or 25) * 2**20),
+                                    overlap=overlap, offload=plan.offload, param_groups=groups, group_of=group_of,
+                                    reduce_group=(lambda p: expert_group if id(p) in experts else dense_group)
+                                    if experts else None)
         return engine, engine.optimizer
     # a rank whose stages hold no parameter (possible with tiny models) has nothing to optimise
     mine = [p for _, p in named]

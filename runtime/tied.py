@@ -23,9 +23,10 @@ def make_tied_groups(pipeline: PipelineProgram, mesh: MeshSpec, stage_to_rank, *
             if create:
                 me = mesh.coords()
                 for d in range(mesh.dp):
-                    for t in range(mesh.tp):
-                        g = dist.new_group([mesh.rank_of(d, r, t) for r in ranks])
-                        mine = g if (d, t) == (me["dp"], me["tp"]) else mine
+                    for e in range(mesh.ep):  # (ep=1 but for expert parallelism: another data replica)
+                        for t in range(mesh.tp):
+                            g = dist.new_group([mesh.rank_of(d, r, t, e) for r in ranks])
+                            mine = g if (d, t, e) == (me["dp"], me["tp"], me.get("ep", 0)) else mine
             groups.append((fqn, ranks, mine))
     return groups
 

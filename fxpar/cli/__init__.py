@@ -9,6 +9,7 @@ Examples::
     fxpar inspect qwen2 --dot out/qwen2.dot     # DOT picture (and SVG where graphviz is installed)
     fxpar zoo                                   # the built-in tiny models
     fxpar plan llama --plan dp=2,pp=2,tp=2,zero=1 # what a plan does on 8 ranks: stages, collectives, memory
+    fxpar inspect gpt2 --plan tp=2               # + what TP cuts per module, what it leaves whole and why
     torchrun --nproc_per_node 8 -m fxpar train llama --plan dp=2,pp=2,tp=2,zero=1 --steps 5
     torchrun --nproc_per_node 2 -m fxpar train config.json --meta --plan pp=2 --data notes.txt \
         --save ckpt --save-every 50 --export out/
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph", action="store_true", help="print the readable graph")
     p.add_argument("--dot", default=None, help="write a DOT picture here (and SVG where graphviz is installed)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plan", default=None, help="with tp > 1 (e.g. tp=2): also what the plan's tensor parallelism "
+                   "cuts and leaves whole per module, and why")
     p.set_defaults(func=cmd_inspect)
     z = sub.add_parser("zoo", help="list the built-in tiny models")
     z.set_defaults(func=cmd_zoo)
@@ -76,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--batch", type=int, default=8)
     q.add_argument("--seq", type=int, default=32)
     q.add_argument("--meta", action="store_true")
+    q.add_argument("--json", action="store_true", help="print the plan's report as JSON")
     q.set_defaults(func=cmd_plan)
     return parser
 

@@ -1,6 +1,9 @@
-"""``fxpar plan``: what a plan does (stages, collectives, memory) without launching."""
+"""``fxpar plan``: what a plan does (stages, collectives, memory, with tp > 1 the TP coverage per
+module) without launching; ``--json`` for machines."""
 
 from __future__ import annotations
+
+import json
 
 import torch
 
@@ -9,8 +12,8 @@ from fxpar.train.models import example_kwargs, load_model
 
 def cmd_plan(args) -> int:
     """Build rank 0 of the plan's world on this one process, without any process group
-    (``fxpar.api.price``), then print the plan's stage table, collectives, memory per rank and the
-    passes that ran with their times."""
+    (``fxpar.api.price``), then print the plan's stage table, collectives, memory per rank, what its
+    tensor parallelism cuts and leaves whole per module, and the passes that ran with their times."""
     import fxpar
     from fxpar.api import price
 
@@ -18,11 +21,27 @@ def cmd_plan(args) -> int:
     model = load_model(args.model, meta=args.meta)
     kwargs = example_kwargs(model, args.batch, args.seq)
     priced = price(model, plan, example_kwargs=kwargs, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    report = fxpar.inspect(priced, quiet=True)
+    if getattr(args, "json", False):
+        data = report.to_dict()
+        data["passes"] = [[name, secs] for name, secs in priced.result.timings]
+        if plan.ep > 1:
+            data["ep_load"] = priced.ep.stats
+        print(json.dumps(data, indent=2, default=str))
+        return 0
     dp_axis = "dp_shard" if plan.zero else "dp_replicate"
     # printed as torch's DeviceMesh prints itself; no DeviceMesh is made (it would create process groups)
     mesh = (f"DeviceMesh(({dp_axis}={plan.dp}, pp={plan.pp}, tp={plan.tp}), 'cpu', "
             f"stride=({plan.pp * plan.tp}, {plan.tp}, 1))")
+    if plan.ep > 1:  # expert parallelism sits between dp and pp (fxpar.ir.mesh)
+        mesh = (f"DeviceMesh(({dp_axis}={plan.dp}, ep={plan.ep}, pp={plan.pp}, tp={plan.tp}), 'cpu', "
+                f"stride=({plan.ep * plan.pp * plan.tp}, {plan.pp * plan.tp}, {plan.tp}, 1))")
     print(f"plan {plan.to_dict()} on {plan.world_size} ranks, mesh {mesh}; rank 0 shown")
-    print(fxpar.inspect(priced, quiet=True).to_text())
+    print(report.to_text())
+    if plan.ep > 1 and priced.ep.stats:  # the example batch routed on this process (rank 0's ep group)
+        from fxpar.runtime.expert_parallel import format_load
+
+        print(f"expert parallelism ep={plan.ep}: the example batch's load per MoE layer\n"
+              + format_load(priced.ep.stats))
     print("passes: " + ", ".join(f"{name} {1e3 * secs:.0f} ms" for name, secs in priced.result.timings))
     return 0

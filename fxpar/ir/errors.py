@@ -87,3 +87,9 @@ class PassError(FxparError):
         self.pass_name = pass_name
         self.done = list(done or [])
         super().__init__(message)
+
+
+class ShardingWarning(UserWarning):
+    """A tensor-parallel plan leaves a large part of the parameters whole on every rank where they could
+    be cut (correct, but it saves no memory there): warned once per compile, naming the largest such
+    modules and the ``tp_plan`` entry that would cut them (:mod:`fxpar.report.tp_coverage`)."""

@@ -72,9 +72,13 @@ class Plan:
     fused_loss: bool = False
     """Compute the LM head and the (vocabulary-parallel) cross-entropy in one chunked kernel, so the
     ``[tokens, vocab / tp]`` logits are never held whole."""
+    ep: int = 1
+    """Expert-parallel ranks, carved out of data parallelism: each MoE layer's experts are split over them
+    (rank e holds experts ``[e * E / ep, (e + 1) * E / ep)``), tokens travel to their experts' rank by
+    all-to-all; every one of the ``dp x ep`` replicas takes its own slice of the batch (docs/expert_parallel.md)."""
 
     def __post_init__(self):
-        for name in ("dp", "pp", "tp"):
+        for name in ("dp", "pp", "tp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise PlanError(f"Plan.{name}={v!r}: must be an integer >= 1")
@@ -106,6 +110,12 @@ class Plan:
         if self.collective_matmul and not self.sequence_parallel:
             raise PlanError(f"Plan.collective_matmul={self.collective_matmul} overlaps sequence-parallel "
                             "all-gathers and reduce-scatters with matmuls: set sequence_parallel=True and tp > 1")
+        if self.ep > 1 and self.tp > 1:
+            raise PlanError(f"Plan(ep={self.ep}, tp={self.tp}): expert parallelism does not compose with tensor "
+                            "parallelism yet (fxpar/passes/expert_parallel.py); use ep with dp and pp, or tp alone")
+        if self.ep > 1 and self.zero == 3:
+            raise PlanError(f"Plan(ep={self.ep}, zero=3): ZeRO-3 would shard the experts' slices again over dp "
+                            "(fxpar/passes/expert_parallel.py does not compose with zero3); use zero=0, 1 or 2")
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"Plan.recompute={self.recompute!r}: use one of {RECOMPUTE}")
         for fqn, where in (self.split_points or {}).items():
@@ -114,7 +124,12 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.ep * self.pp * self.tp
+
+    @property
+    def replicas(self) -> int:
+        """Data replicas, each with its own slice of the batch: ``dp * ep`` (EP is carved out of dp)."""
+        return self.dp * self.ep
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -50,14 +50,15 @@ def check_world(plan: Plan, world: int) -> None:
                f"own, or one over the whole world")
     else:
         how = f"launch with torchrun --nproc_per_node {need} or change the degrees"
-    raise PlanError(f"plan dp={plan.dp} x pp={plan.pp} x tp={plan.tp} needs {need} ranks, but the world has "
+    ep = f" x ep={plan.ep}" if plan.ep > 1 else ""
+    raise PlanError(f"plan dp={plan.dp}{ep} x pp={plan.pp} x tp={plan.tp} needs {need} ranks, but the world has "
                     f"{world}: {how}", values={"ranks needed": need, "world": world})
 
 
 def check_optimizer_factory(plan: Plan, optimizer, groups: ParamGroups | None = None) -> None:
     """Data parallelism and parameter groups need the optimizer; ZeRO refuses one it cannot shard. The
     factory is tried on dummies: one parameter, or with ``groups`` one per group in torch's group form."""
-    if (plan.dp > 1 or plan.zero) and optimizer is None:
+    if (plan.dp * plan.ep > 1 or plan.zero) and optimizer is None:
         raise PlanError("data parallelism and ZeRO need the optimizer: pass optimizer=lambda params: ...")
     if groups is not None and optimizer is None:
         raise PlanError("fxpar.compile: param_groups sorts the parameters into the optimizer's groups, but no "
@@ -82,12 +83,13 @@ def pipeline_setup(plan: Plan, batch: int) -> PipelineSetup:
     name = sched.normalize_schedule(plan.schedule)
     n_stages = plan.pp * sched.stages_per_rank(name, plan.virtual_stages)
     m = sched.microbatches(plan)
-    if batch % (m * plan.dp):
-        raise PlanError(f"batch of {batch} does not divide into {m} microbatches x dp={plan.dp}; global batch = "
-                        f"microbatch size x microbatches x dp: pick a batch that is a multiple of {m * plan.dp} "
+    dp = plan.dp * plan.ep  # data replicas: expert parallelism is carved out of dp (each ep rank its own slice)
+    if batch % (m * dp):
+        raise PlanError(f"batch of {batch} does not divide into {m} microbatches x dp={dp}; global batch = "
+                        f"microbatch size x microbatches x dp: pick a batch that is a multiple of {m * dp} "
                         "(a data loader's last short batch: drop_last=True) or another number of microbatches")
     sched.validate(name, plan.pp, m, n_stages)
-    return PipelineSetup(name, n_stages, m, batch, plan.dp, tuple(sched.stage_to_rank(name, plan.pp, n_stages)))
+    return PipelineSetup(name, n_stages, m, batch, dp, tuple(sched.stage_to_rank(name, plan.pp, n_stages)))
 
 
 def check_program(program, model, setup: PipelineSetup) -> None:

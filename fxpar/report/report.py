@@ -15,6 +15,7 @@ from fxpar.report.graph import graph_text, module_text, partition_dot, write_dot
 from fxpar.report.kernels import format_kernel_rows, kernel_rows
 from fxpar.report.stages import format_stage_table, stage_rows
 from fxpar.report.table import ModuleRow, format_rows, human, module_rows, select_rows
+from fxpar.report.tp_coverage import coverage_of
 
 
 @dataclass
@@ -40,6 +41,10 @@ class Report:
     def collectives(self) -> list[dict]:
         """Per layer: collectives of this rank's program in forward and backward, and their bytes."""
         return collective_rows(self.program.gm)
+
+    def tp_coverage(self):
+        """Per module, what the TP plan cuts and leaves whole and why, the share per TP rank (None without TP)."""
+        return coverage_of(self.compiled) if self.compiled is not None else None
 
     def collective_table(self) -> str:
         return format_collective_rows(self.collectives())
@@ -138,6 +143,8 @@ class Report:
             text += "\n\n" + budget.format_flops(c)
             if plan.tp > 1:
                 text += f"\n\ntensor parallel: tp={plan.tp}, collectives of this rank\n\n" + self.collective_table()
+                cov = self.tp_coverage()
+                text += "\n\n" + cov.to_text() if cov is not None else ""
             if plan.dp > 1 or plan.zero:
                 text += "\n\n" + self.data_parallel_table()
             elif c.memory():
@@ -174,7 +181,8 @@ class Report:
                 "stages": self.stages, "predicted": getattr(self.compiled, "predicted", None),
                 "collectives": self.collectives(), "data_parallel": self.data_parallel(),
                 "flops": budget.stage_flops(self.compiled), "communication": self.communication(),
-                "kernels": self.kernels()}
+                "kernels": self.kernels(),
+                "tp_coverage": getattr(self.tp_coverage(), "to_dict", dict)()}  # {} without TP
                if self.compiled is not None else {}),
         }
 

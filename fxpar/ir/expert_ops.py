@@ -1,0 +1,141 @@
+"""The expert-parallel ops of fxpar's IR: ``fxpar::ep_counts``, ``fxpar::ep_dispatch``, ``fxpar::ep_combine``
+(schemas, fake kernels, autograd) and :class:`EpResult`, what the expert-parallel pass did.
+
+Reads: nothing at import but torch and :mod:`fxpar.ir.ops` (group sizes from names). Writes: three ops
+of the ``fxpar`` namespace; their real kernels are :mod:`fxpar.runtime.expert_parallel`'s (until it is
+imported, running one on real tensors raises :class:`~fxpar.ir.errors.CollectiveError`).
+
+Why three ops and these shapes: an MoE layer's tokens, sorted by expert, go to the ranks owning their
+experts and come back; how many go where is only known at run time, but a traced graph needs static
+shapes. So:
+
+* ``ep_counts(offs, group, layer)``: this rank's per-expert token counts (from the router's cumulative
+  ``offs``) all-gathered over the ep group: ``[ep, E]`` int64, row ``s`` the counts of ep rank ``s``.
+  Every rank then knows every split size (the exchange the all-to-alls need first) and the load of
+  every expert (the statistics ``CompiledModel.ep.stats`` shows).
+* ``ep_dispatch(x, counts, group, layer, backward)``: ``x`` ``[N, H]`` (rows sorted by expert) goes by
+  one all-to-all to the owners of its rows' experts; the result is ``[ep * N, H]``, a static worst case
+  (every rank's rows all routed here), whose first rows are the received tokens grouped by local expert
+  (expert-major, source rank within), then zeros. Only real rows travel.
+* ``ep_combine(y, counts, group, layer, backward)``: the inverse: ``y`` ``[ep * N, H]`` (the local
+  experts' outputs in the dispatch's order) back to the ranks the rows came from, ``[N, H]`` in ``x``'s
+  order.
+
+Autograd: dispatch's backward is a combine of the gradient and combine's backward a dispatch (the
+padding rows' gradients are dropped: they came from no token). ``backward=True`` tells the kernel which
+way the bytes count (``CompiledModel.ep.comm``); ``layer`` names the MoE module for the
+statistics. These ops are not in :data:`fxpar.ir.ops.COLLECTIVE_OPS` (the TP/ZeRO collective counts stay
+as they were); :func:`ep_nodes` lists them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from fxpar.ir.errors import CollectiveError
+from fxpar.ir.ops import group_size
+
+EP_OPS = ("ep_counts", "ep_dispatch", "ep_combine")
+
+
+@dataclass
+class EpResult:
+    """What the expert-parallel pass did: ``experts``: canonical FQN -> (dim cut, experts in the model)
+    of every expert parameter this rank holds a slice of; ``layers``: the MoE modules rewritten, in
+    graph order; ``parts``/``rank``: the ep degree and this rank's ep coordinate."""
+
+    experts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    layers: list[str] = field(default_factory=list)
+    parts: int = 1
+    rank: int = 0
+
+    def local_range(self, n_experts: int, rank: int | None = None) -> tuple[int, int]:
+        """``[lo, hi)``: the experts ep rank ``rank`` (default: this one) holds."""
+        k = n_experts // self.parts
+        r = self.rank if rank is None else rank
+        return r * k, (r + 1) * k
+
+
+def _no_kernel(op: str, group: str) -> torch.Tensor:
+    raise CollectiveError("no kernel is registered for real tensors in this process; importing "
+                          "fxpar.runtime.expert_parallel registers them", op=op, group=group)
+
+
+@torch.library.custom_op("fxpar::ep_counts", mutates_args=())
+def ep_counts(offs: torch.Tensor, group: str, layer: str) -> torch.Tensor:
+    """``[ep, E]`` int64: every ep rank's tokens per expert (``offs``: this rank's cumulative counts)."""
+    return _no_kernel("ep_counts", group)
+
+
+@torch.library.custom_op("fxpar::ep_dispatch", mutates_args=())
+def ep_dispatch(x: torch.Tensor, counts: torch.Tensor, group: str, layer: str, backward: bool = False) -> torch.Tensor:
+    """``x`` ``[N, H]`` sorted by expert -> ``[ep * N, H]``: the tokens of this rank's experts, grouped by
+    local expert, then zero rows."""
+    return _no_kernel("ep_dispatch", group)
+
+
+@torch.library.custom_op("fxpar::ep_combine", mutates_args=())
+def ep_combine(y: torch.Tensor, counts: torch.Tensor, group: str, layer: str, backward: bool = False) -> torch.Tensor:
+    """``y`` ``[ep * N, H]`` in ``ep_dispatch``'s order -> ``[N, H]`` back on the ranks and rows the tokens
+    came from."""
+    return _no_kernel("ep_combine", group)
+
+
+def _check(op: str, group: str, x: torch.Tensor, counts: torch.Tensor) -> int:
+    n = group_size(group)
+    if x.dim() != 2 or counts.dim() != 2 or counts.shape[0] != n:
+        raise CollectiveError(f"takes [rows, hidden] tokens and [ep={n}, experts] counts, got {tuple(x.shape)} "
+                              f"and {tuple(counts.shape)}", op=op, group=group)
+    return n
+
+
+@ep_counts.register_fake
+def _counts_fake(offs, group, layer):
+    return offs.new_empty((group_size(group), offs.shape[0]), dtype=torch.int64)
+
+
+@ep_dispatch.register_fake
+def _dispatch_fake(x, counts, group, layer, backward=False):
+    n = _check("ep_dispatch", group, x, counts)
+    return x.new_empty((n * x.shape[0], x.shape[1]))
+
+
+@ep_combine.register_fake
+def _combine_fake(y, counts, group, layer, backward=False):
+    n = _check("ep_combine", group, y, counts)
+    if y.shape[0] % n:
+        raise CollectiveError(f"{y.shape[0]} rows do not split over {n} ranks", op="ep_combine", group=group)
+    return y.new_empty((y.shape[0] // n, y.shape[1]))
+
+
+def _save(ctx, inputs, output):
+    ctx.counts, ctx.group, ctx.layer = inputs[1], inputs[2], inputs[3]
+
+
+def _dispatch_bwd(ctx, grad):
+    return ep_combine(grad, ctx.counts, ctx.group, ctx.layer, True), None, None, None, None
+
+
+def _combine_bwd(ctx, grad):
+    return ep_dispatch(grad, ctx.counts, ctx.group, ctx.layer, True), None, None, None, None
+
+
+ep_dispatch.register_autograd(_dispatch_bwd, setup_context=_save)
+ep_combine.register_autograd(_combine_bwd, setup_context=_save)
+
+
+def ep_kind(node: torch.fx.Node) -> str | None:
+    """The expert-parallel op a node calls ("ep_dispatch", ...), or None."""
+    if node.op != "call_function":
+        return None
+    packet = getattr(node.target, "overloadpacket", node.target)
+    namespace, _, name = getattr(packet, "_qualified_op_name", "").partition("::")
+    return name if namespace == "fxpar" and name in EP_OPS else None
+
+
+def ep_nodes(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Node]]:
+    """(kind, node) for every expert-parallel op node of ``gm``."""
+    return [(k, n) for n in gm.graph.nodes if (k := ep_kind(n)) is not None]

@@ -1,0 +1,166 @@
+"""The real kernels of the expert-parallel ops (schemas, fakes, autograd: :mod:`fxpar.ir.expert_ops`), their
+byte counts and the MoE load statistics of the last step.
+
+Reads: tensors, group names (resolved by :mod:`fxpar.runtime.groups`) at run time. Writes: the kernels of
+``fxpar::ep_counts`` / ``ep_dispatch`` / ``ep_combine`` (importing this module registers them) and this
+process's counters, read and reset by ``CompiledModel`` around each step (:func:`reset`, :func:`snapshot`).
+
+* ``ep_counts``: one all-gather of the ``E`` per-expert counts over the ep group (``E * ep`` int64).
+* ``ep_dispatch``: split sizes from the counts, one ``all_to_all_single`` of the rows (a rank's rows for
+  ep rank ``j`` are contiguous: they are sorted by expert and ``j`` owns a contiguous range), then the
+  received rows reordered from source-major to local-expert-major into the static ``[ep * N, H]``
+  buffer. ``ep_combine``: the inverse permutation and the all-to-all back.
+* Bytes counted (:func:`snapshot`'s ``"comm"``): per op, the rows this rank sends to *other* ranks x
+  hidden x element size (the rows a rank keeps for its own experts never travel; the counts' all-gather
+  apart, under ``"counts"``). ``dispatch``/``combine`` are the forward's, ``dispatch_bwd``/``combine_bwd``
+  the backward's (combine's gradient is a dispatch and vice versa). Summed over the ep group, dispatch
+  and combine each move exactly the tokens routed off their rank x hidden x element size.
+* Every wait is bounded by the process group's timeout and fails as a ``CollectiveError`` naming the
+  op and group (``fxpar.runtime.collectives``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from fxpar.ir import expert_ops
+from fxpar.runtime.collectives import _communicate, _membership, all_gather_single
+
+_COMM: dict[str, int] = defaultdict(int)  # op -> bytes this rank sent off-rank since the last reset
+_LOAD: dict[str, torch.Tensor] = {}  # MoE layer -> [ep, E] tokens per (source rank, expert) since reset
+
+
+def reset() -> None:
+    """Forget the counts (``CompiledModel`` calls it when a step or an inference call starts)."""
+    _COMM.clear()
+    _LOAD.clear()
+
+
+def snapshot() -> dict:
+    """``{"comm": {op: bytes}, "load": {layer: stats}}`` since the last :func:`reset`. Per layer:
+    ``tokens_per_expert`` (over this rank's ep group, every microbatch), ``tokens_per_rank`` (what each ep
+    rank's experts received), ``imbalance`` (max / mean of ``tokens_per_rank``; 1.0 is perfect balance)."""
+    return {"comm": dict(_COMM), "load": load_stats(_LOAD)}
+
+
+def load_stats(counts: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Per MoE layer, from its ``[ep, E]`` tokens per (source ep rank, expert): ``tokens_per_expert``,
+    ``tokens_per_rank`` (what each ep rank's experts receive) and ``imbalance`` (their max / mean)."""
+    load = {}
+    for layer, m in counts.items():
+        per_expert = m.sum(0)
+        per_rank = per_expert.view(m.shape[0], -1).sum(1)
+        mean = per_rank.double().mean().item()
+        load[layer] = {"tokens_per_expert": per_expert.tolist(), "tokens_per_rank": per_rank.tolist(),
+                       "imbalance": per_rank.max().item() / mean if mean else 1.0}
+    return load
+
+
+def format_load(stats: dict[str, dict]) -> str:
+    """The load statistics as a table: one line per MoE layer (``fxpar plan`` / ``fxpar inspect``)."""
+    lines = [f"{'MoE layer':<36} {'tokens per ep rank':<22} {'max/mean':>8}  tokens per expert"]
+    for layer, s in stats.items():
+        lines.append(f"{layer:<36} {str(s['tokens_per_rank']):<22} {s['imbalance']:>8.2f}  {s['tokens_per_expert']}")
+    worst = max((s["imbalance"] for s in stats.values()), default=1.0)
+    lines.append(f"worst imbalance {worst:.2f} (1.00: every ep rank's experts get the same number of tokens)")
+    return "\n".join(lines)
+
+
+class ExpertParallelRecord:
+    """``CompiledModel.ep``: ``info`` (the pass's :class:`~fxpar.ir.expert_ops.EpResult`, None without
+    ep), ``expert_ids`` (ids of the expert slices this rank holds: reduced over dp only, gathered over ep),
+    and of the last step (a priced model: of the example batch, routed on one process): ``stats``, per MoE
+    layer the load over this rank's ep group (``tokens_per_expert``, ``tokens_per_rank``, ``imbalance``),
+    and ``comm``, the bytes this rank sent to other ranks per op (see the module docstring)."""
+
+    def __init__(self, info, program):
+        self.info = info
+        self.expert_ids = {id(program.tensor(f)) for f in info.experts} if info is not None else set()
+        self.stats: dict[str, dict] = {}
+        self.comm: dict[str, int] = {}
+
+    def start(self) -> None:
+        reset()
+
+    def finish(self) -> None:
+        last = snapshot()
+        self.stats, self.comm = last["load"], last["comm"]
+
+    def set_load(self, counts: dict[str, torch.Tensor]) -> None:
+        """``stats`` from ``[ep, E]`` counts per MoE layer (``fxpar.api.price``)."""
+        self.stats = load_stats(counts)
+
+    def __repr__(self) -> str:
+        return f"ExpertParallelRecord(layers={self.info.layers if self.info else []}, comm={self.comm})"
+
+
+def _layout(counts: torch.Tensor, me: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """(rows this rank sends to each ep rank, rows it receives from each, the permutation from the received
+    source-major order to local-expert-major)."""
+    n, e = counts.shape
+    k = e // n
+    counts = counts.cpu()
+    send = counts[me].view(n, k).sum(1).tolist()
+    mine = counts[:, me * k:(me + 1) * k]  # [source, local expert]
+    recv = mine.sum(1).tolist()
+    start = (torch.cumsum(mine.reshape(-1), 0) - mine.reshape(-1)).view(n, k)  # each piece's source-major start
+    cnt, src = mine.t().reshape(-1), start.t().reshape(-1)  # the pieces in local-expert-major order
+    dst = torch.cumsum(cnt, 0) - cnt  # where each piece starts in that order
+    perm = torch.arange(int(cnt.sum())) + torch.repeat_interleave(src - dst, cnt)
+    return send, recv, perm
+
+
+def _all_to_all(op: str, group: str, pg, out: torch.Tensor, x: torch.Tensor, out_splits, in_splits) -> None:
+    _communicate(op, group, x, lambda: dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits,
+                                                             group=pg, async_op=True))
+
+
+def _ep_counts(offs: torch.Tensor, group: str, layer: str) -> torch.Tensor:
+    pg, n, _ = _membership("ep_counts", group)
+    counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+    out = counts.new_empty((n, counts.numel()))
+    if n == 1:
+        out.copy_(counts.view(1, -1))
+    else:
+        _communicate("ep_counts", group, counts, lambda: all_gather_single(out.view(-1), counts, group=pg,
+                                                                          async_op=True))
+        _COMM["counts"] += counts.numel() * counts.element_size() * (n - 1)
+    prev = _LOAD.get(layer)
+    _LOAD[layer] = out.detach().cpu() + (prev if prev is not None else 0)
+    return out
+
+
+def _ep_dispatch(x: torch.Tensor, counts: torch.Tensor, group: str, layer: str, backward: bool = False):
+    pg, n, me = _membership("ep_dispatch", group)
+    send, recv, perm = _layout(counts, me)
+    got = x.new_empty((sum(recv), x.shape[1]))
+    if n == 1:
+        got.copy_(x[:sum(recv)])
+    else:
+        _all_to_all("ep_dispatch", group, pg, got, x, recv, send)
+    _COMM["dispatch_bwd" if backward else "dispatch"] += (sum(send) - send[me]) * x.shape[1] * x.element_size()
+    out = x.new_zeros((n * x.shape[0], x.shape[1]))
+    out[:perm.numel()] = got[perm.to(x.device)]
+    return out
+
+
+def _ep_combine(y: torch.Tensor, counts: torch.Tensor, group: str, layer: str, backward: bool = False):
+    pg, n, me = _membership("ep_combine", group)
+    send, recv, perm = _layout(counts, me)
+    rows = y.new_empty((perm.numel(), y.shape[1]))
+    rows[perm.to(y.device)] = y[:perm.numel()]  # back to source-major order
+    out = y.new_empty((y.shape[0] // n, y.shape[1]))
+    if n == 1:
+        out.copy_(rows)
+    else:
+        _all_to_all("ep_combine", group, pg, out, rows, send, recv)
+    _COMM["combine_bwd" if backward else "combine"] += (sum(recv) - recv[me]) * y.shape[1] * y.element_size()
+    return out
+
+
+for _op, _kernel in ((expert_ops.ep_counts, _ep_counts), (expert_ops.ep_dispatch, _ep_dispatch),
+                     (expert_ops.ep_combine, _ep_combine)):
+    _op.register_kernel(None, _kernel)
