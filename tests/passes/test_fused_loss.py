@@ -98,7 +98,7 @@ def _tp_case(name: str, plan: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,plan,fewer", [("llama", "tp=2", 3), ("llama", "tp=2,sequence_parallel=1", 3),
-                                              ("gpt2", "tp=2", 0), ("llama", "pp=2", 0)])
+                                              ("gpt2", "tp=2", 3), ("llama", "pp=2", 0)])
 def test_fused_loss_matches_one_process(pool2, name, plan, fewer):
     """Loss and every gradient within 1e-5 of one unfused process. Where TP splits the head by
     vocabulary rows (llama), the unfused vocabulary-parallel loss's three all-reduces move into the op
