@@ -20,6 +20,7 @@ __all__ = [
     "train_against_reference",
     "reference_trajectory",
     "compare_trajectory",
+    "shard_grad_diff",
 ]
 
 
@@ -151,3 +152,14 @@ def compare_trajectory(compiled, trajectory: list, batch: dict, *, local: bool =
         out["weights"] = max(out["weights"], max((state[k] - v).abs().max().item() for k, v in ref_state.items()))
     return out
 
+
+
+def shard_grad_diff(local, tp_result, ref_grads: dict[str, torch.Tensor], rank: int) -> float:
+    """The largest difference between a TP rank's parameter gradients and the matching slices of the
+    single-process gradients (``tp_result.layout(fqn).slice``; whole parameters compared whole)."""
+    worst = 0.0
+    for fqn, p in local.named_parameters():
+        layout = tp_result.layout(fqn)
+        want = ref_grads[fqn] if layout is None else layout.slice(ref_grads[fqn], rank)
+        worst = max(worst, (p.grad - want).abs().max().item())
+    return worst

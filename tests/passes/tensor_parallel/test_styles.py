@@ -23,6 +23,7 @@ from fxpar.passes.tensor_parallel.styles import STYLES, styles_for
 from fxpar.runtime import groups
 from fxpar.testing import multiproc
 from fxpar.testing.compare import grads_by_fqn
+from fxpar.testing.reference import shard_grad_diff
 
 TOL = 1e-5
 pool2 = multiproc.rank_pool(2)
@@ -118,11 +119,7 @@ def tp_step(name: str) -> dict:
     expected = ref(**batch)
     expected.loss.backward()
     ref_grads = grads_by_fqn(ref)
-    grad = 0.0
-    for fqn, p in local.named_parameters():
-        layout = info.layout(fqn)
-        want = ref_grads[fqn] if layout is None else layout.slice(ref_grads[fqn], rank)
-        grad = max(grad, (p.grad - want).abs().max().item())
+    grad = shard_grad_diff(local, info, ref_grads, rank)
     return {"loss": (out.loss - expected.loss).abs().item(), "grad": grad, "share": share(program, local)}
 
 

@@ -21,7 +21,8 @@ from fxpar.ir.errors import PlanError
 from fxpar.passes.tensor_parallel import tensor_parallel
 from fxpar.runtime import groups
 from fxpar.testing import multiproc
-from fxpar.testing.compare import grads_by_fqn, train_against_reference
+from fxpar.testing.compare import grads_by_fqn
+from fxpar.testing.reference import shard_grad_diff, train_against_reference
 
 TOL = 1e-5
 pool2 = multiproc.rank_pool(2)
@@ -42,11 +43,7 @@ def tp_step(name: str, tp: int, loss_only: bool = False, sp: bool = False) -> di
     expected = ref(**batch)
     expected.loss.backward()
     ref_grads = grads_by_fqn(ref)
-    grad = 0.0
-    for fqn, p in local.named_parameters():
-        layout = info.layout(fqn)
-        want = ref_grads[fqn] if layout is None else layout.slice(ref_grads[fqn], rank)
-        grad = max(grad, (p.grad - want).abs().max().item())
+    grad = shard_grad_diff(local, info, ref_grads, rank)
     placements = {tuple(n.meta.get(meta.PLACEMENT, ())) for n in local.gm.graph.nodes if n.op != "output"}
     logits = 0.0 if loss_only else (out.logits - expected.logits).abs().max().item()
     return {"loss": (out.loss - expected.loss).abs().item(), "logits": logits, "grad": grad,
