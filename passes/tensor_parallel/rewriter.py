@@ -164,7 +164,7 @@ class Rewriter:
 
     # ---- the pass -----------------------------------------------------------------------------------
     def run(self) -> torch.fx.Graph:
-        self.graph_started = False
+        rows_scaled = False  # parameters with whole pieces: their rows' gradients, once after the inputs
         for old in self.program.graph.nodes:
             if old.op == "placeholder":
                 new = self.graph.placeholder(old.name)
@@ -181,8 +181,8 @@ class Rewriter:
                         for i, a in enumerate(old.args[0])]
                 new = self.graph.output(tuple(outs))
             else:
-                if not self.graph_started:  # parameters with whole pieces: their rows' gradients (rules/fused.py)
-                    self.graph_started = True
+                if not rows_scaled:  # (rules/fused.py)
+                    rows_scaled = True
                     fused.scale_whole_rows(self)
                 new = self.rewrite(old)
             self.env[old] = new
