@@ -9,6 +9,9 @@ Examples::
     fxpar inspect qwen2 --dot out/qwen2.dot     # DOT picture (and SVG where graphviz is installed)
     fxpar zoo                                   # the built-in tiny models
     fxpar plan llama --plan dp=2,pp=2,tp=2,zero=1 # what a plan does on 8 ranks: stages, collectives, memory
+    fxpar calibrate --world 8                    # measure this host, write ~/.cache/fxpar/profile.json
+    fxpar plan examples/configs/llama3-70b.json --meta --auto --world 1024 --device h100-80gb \
+        --global-batch 1024 --seq 8192             # the best plan, the top 5, the hand-made baseline
     fxpar inspect gpt2 --plan tp=2               # + what TP cuts per module, what it leaves whole and why
     torchrun --nproc_per_node 8 -m fxpar train llama --plan dp=2,pp=2,tp=2,zero=1 --steps 5
     torchrun --nproc_per_node 2 -m fxpar train config.json --meta --plan pp=2 --data notes.txt \
@@ -23,6 +26,8 @@ import argparse
 import logging
 import sys
 
+from fxpar.cli.calibrate import add_arguments as add_calibrate_arguments
+from fxpar.cli.calibrate import cmd_calibrate
 from fxpar.cli.generate import add_arguments as add_generate_arguments
 from fxpar.cli.generate import run as cmd_generate
 from fxpar.cli.inspect import cmd_inspect
@@ -80,7 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seq", type=int, default=32)
     q.add_argument("--meta", action="store_true")
     q.add_argument("--json", action="store_true", help="print the plan's report as JSON")
+    q.add_argument("--auto", action="store_true", help="choose the plan: the best for --world ranks of --device, "
+                   "the top alternatives, the hand-made baseline, why the others lost")
+    q.add_argument("--world", type=int, default=None, help="with --auto: the number of ranks")
+    q.add_argument("--device", default="h100-80gb", help="with --auto: a profile name (h100-80gb, h200-141gb, "
+                   "a100-80gb, cpu) or a profile JSON written by `fxpar calibrate`")
+    q.add_argument("--global-batch", type=int, default=None, help="with --auto: sequences per optimizer step "
+                   "(default --batch)")
+    q.add_argument("--memory", default=None, help="with --auto: memory per rank, e.g. 80GB (default: the profile's)")
+    q.add_argument("--top", type=int, default=5, help="with --auto: alternatives shown")
+    q.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"), help="with --auto: how the step "
+                   "computes (default: the model's parameter dtype, e.g. the config's torch_dtype)")
     q.set_defaults(func=cmd_plan)
+    c = sub.add_parser("calibrate", help="measure this machine and write a device profile for the planner")
+    add_calibrate_arguments(c)
+    c.set_defaults(func=cmd_calibrate)
     return parser
 
 

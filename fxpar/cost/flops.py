@@ -148,9 +148,31 @@ def _forward_flops(node: torch.fx.Node, args, kwargs, out) -> tuple[int, str]:
     if pkt is _FUSED_LOSS:  # the head's matmul (its elementwise work is small beside it)
         x, w = _shape(args[0]), _shape(args[1])
         return fc.mm_flop((math.prod(x[:-1]), x[-1]), (w[1], w[0])), "fused_loss"
+    grouped = _grouped_mm_flops(args, out)
+    if grouped:
+        return grouped, "matmul"
     if pkt is not None and pkt in fc.flop_registry:  # a formula that raises goes to the fallback
         return int(fc.flop_registry[pkt](*args, out_val=out, **kwargs)), "matmul"
     return _elementwise_flops(out)
+
+
+def _grouped_mm_flops(args, out) -> int:
+    """A grouped (per-expert) matmul, recognised by its shapes whatever op carries it (``aten._grouped_mm``,
+    transformers' ``grouped_mm_fallback`` custom op, ...): rows ``x [S, K]`` sorted by expert, 3-D weights
+    ``[E, K, N]`` (or ``[E, N, K]``), output ``[S, N]``. Each row meets one expert: ``2 * S * K * N``.
+    torch's flop registry knows none of these ops; one FLOP per output element would undercount the experts
+    by a factor of 2K. 0 where the shapes do not match."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    outs = _tensors(out)
+    if len(tensors) < 2 or len(outs) != 1:
+        return 0
+    x, w, y = _shape(tensors[0]), _shape(tensors[1]), _shape(outs[0])
+    if len(x) != 2 or len(w) != 3 or len(y) != 2 or y[0] != x[0]:
+        return 0
+    k, n = x[1], y[1]
+    if (w[1], w[2]) not in ((k, n), (n, k)):
+        return 0
+    return 2 * x[0] * k * n
 
 
 def _elementwise_flops(out) -> tuple[int, str]:

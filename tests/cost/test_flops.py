@@ -146,3 +146,22 @@ def test_fallback_when_even_the_output_is_unreadable(monkeypatch, fresh_warned):
         total = F.annotate_costs(program)
     assert node.meta[meta.COST] == meta.ZERO_COST
     assert total.flops > 0
+
+
+def test_grouped_expert_matmuls_are_priced_as_matmuls():
+    """Mixtral's experts go through one grouped matmul op per projection (rows sorted by expert, 3-D
+    weights): 2 * rows * K * N each, as the eager per-expert matmuls count them, not one per element."""
+    model = zoo.build("mixtral", seed=0)
+    kw = zoo.example_inputs("mixtral", model, batch=2, seq=8)
+    program = fxpar.trace(model, example_kwargs=kw)
+    grouped = [n for n in program.nodes() if n.op == "call_function" and F._grouped_mm_flops(
+        [a.meta.get(meta.VAL) for a in n.args if isinstance(a, torch.fx.Node)], n.meta.get(meta.VAL))]
+    assert grouped, "no grouped expert matmul in the mixtral trace"
+    for node in grouped:
+        x, w = (a.meta[meta.VAL] for a in node.args[:2])
+        y = node.meta[meta.VAL]
+        cost = node.meta[meta.COST]
+        rows, k = x.shape
+        assert w.dim() == 3 and k in w.shape[1:] and y.shape[1] in w.shape[1:]
+        assert cost.flops == 2 * rows * k * y.shape[1]
+        assert cost.bwd_flops == 2 * cost.flops

@@ -1,0 +1,80 @@
+"""``fxpar calibrate`` (:mod:`fxpar.runtime.calibrate`, :mod:`fxpar.cli.calibrate`): the quick calibration on
+two forked gloo ranks writes a profile whose figures are positive and whose predicted all-reduce of 1 MB on
+two ranks is within 3x of timing that all-reduce directly on a separate pair of ranks; the in-group path
+(the one torchrun takes) measures every collective kind on the ranks there are."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+
+from fxpar.cli import main
+from fxpar.cost.profiles import KINDS, load_profile
+from fxpar.testing import multiproc
+
+pytestmark = pytest.mark.slow
+pool2 = multiproc.rank_pool(2, shared=True)
+MB = 2**20
+
+
+def direct_all_reduce(nbytes: int, calls: int = 20) -> float:
+    """Median seconds of ``calls`` all-reduces of ``nbytes`` on this pool's ranks (the slowest rank's)."""
+    import torch.distributed as dist
+
+    x = torch.ones(nbytes // 4)
+    for _ in range(3):
+        dist.all_reduce(x)
+    times = []
+    for _ in range(calls):
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
+def in_group_measurements() -> dict:
+    from fxpar.runtime.calibrate import rank_measurements
+
+    return rank_measurements(groups=(2,), sizes=(4096, MB), budget=0.01, share_counts=(1, 2), share_seconds=0.06,
+                             concurrent=True)
+
+
+def test_quick_calibration_writes_a_usable_profile(tmp_path, pool2):
+    out = tmp_path / "profile.json"
+    threads = torch.get_num_threads()
+    t = time.perf_counter()
+    try:
+        assert main(["calibrate", "--world", "2", "--quick", "--out", str(out), "--timeout", "120"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    seconds = time.perf_counter() - t
+    assert seconds < 30, f"--quick took {seconds:.1f} s"
+    p = load_profile(str(out))
+    assert p.flops["fp32"] > 0 and p.mem_bw > 0 and p.op_overhead > 0 and p.memory > 0
+    assert p.intra.bandwidth > 0 and p.intra.latency >= 0 and p.compute_share[1] == pytest.approx(1.0)
+    assert set(p.collectives) == set(KINDS) and all(b > 0 for t in p.collectives.values() for _, b in t.values())
+    assert json.loads(out.read_text())["measurements"]["world"] == 2
+    # what a training step pays besides matmuls: elementwise ops, the optimizer, first touch of big outputs
+    assert p.elementwise_rate > 0 and p.optimizer_entry_time > 0 and not p.comm_overlaps
+    assert p.fresh_threshold == 0 or (p.fresh_bw > 0 and p.fresh_time(p.fresh_threshold) > 0)
+    predicted = p.collective_time("all_reduce", MB, 2, inter_node=False)
+    measured = max(pool2.run(direct_all_reduce, MB, timeout=60))
+    assert measured / 3 < predicted < 3 * measured, (predicted, measured)
+
+
+def test_in_group_path_measures_every_kind(pool2):
+    got = pool2.run(in_group_measurements, timeout=60)
+    m = got[0]
+    assert set(m["compute_share"]) == {1, 2} and m["compute_share"][1] == 1.0
+    for kind in KINDS:
+        sizes = [x for x, _ in m["times"][kind][2]]
+        assert sizes == [4096, MB] and all(s > 0 for _, s in m["times"][kind][2]), kind
+    assert m["concurrent"] == {}  # two ranks: one group, nothing runs beside it
+    assert got[1]["times"]["all_reduce"][2] and got[1]["times"]["all_reduce"][2][1][1] > 0
