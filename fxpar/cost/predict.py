@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import re
 
+import torch
+import torch.fx
+
 from fxpar.cost.device import DeviceModel
 from fxpar.cost.partition import candidate_modules, cut_positions, stage_costs
 from fxpar.cost.saved import MATMUL_LIKE, SavedTensors
 from fxpar.ir import meta
+from fxpar.ir.analysis import grad_flow
 from fxpar.ir.program import Program
 from fxpar.ir.schedule import Action, simulate
 from fxpar.ir.stage import PipelineProgram
@@ -141,3 +145,79 @@ def activation_memory(program: Program, stage_nodes: dict[int, set[str]] | None 
                        "transient": {s: c[1] for s, c in costs.items()},
                        "peak": peak_activations(costs, actions)}
     return out
+
+
+def backward_grads(program: Program, part_of: dict) -> dict[str, int]:
+    """Per part (``part_of``: top-level node -> part name), the most gradient bytes alive at once during
+    the backward of one of its nodes, beyond what that backward has already freed of the part's saved
+    tensors: one batch of the program's shapes.
+
+    Autograd holds the gradient of a value (named by storage, so a view's gradient counts with its
+    base's) from the backward of its last reader to the backward of its producer; at a node's backward
+    the gradients of its output and of its inputs live at once, plus, for an op that keeps a buffer of
+    its own (the log-softmax a cross-entropy keeps), that buffer's gradient. The saved tensors of the
+    part's nodes after the node are free by then. Parameters' gradients are state, not counted here.
+    The largest is usually at the loss: the logits' gradient and the log-softmax's, one vocabulary-sized
+    tensor each, on top of everything the forward kept."""
+    saved = SavedTensors(program)
+    flows = grad_flow(program)
+    nodes = [n for n in program.graph.nodes if n.op == "call_function"]
+    pos = {n: i for i, n in enumerate(nodes)}
+    span: dict[object, list[int]] = {}  # storage -> [producer position, last reader position, bytes]
+    for n in nodes:
+        val = n.meta.get(meta.VAL)
+        if n not in flows or not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            continue
+        for kept in saved.value(n):
+            last = max((pos[u] for u in n.users if u in pos), default=pos[n])
+            got = span.setdefault(kept.key, [pos[n], last, kept.nbytes])
+            got[0], got[1] = min(got[0], pos[n]), max(got[1], last)
+    live = [0] * (len(nodes) + 1)
+    for first, last, b in span.values():
+        live[first] += b
+        live[last + 1] -= b
+    for i in range(1, len(live)):
+        live[i] += live[i - 1]
+    first_saver: dict[object, tuple[int, int]] = {}  # saved storage -> (earliest saver position, bytes)
+    own: list[int] = [0] * len(nodes)
+    for n in nodes:
+        for kept in saved.of(n):
+            if isinstance(kept.key, tuple) and kept.key[0] == "buffer" and kept.producer is n:
+                own[pos[n]] += kept.nbytes
+            first_saver.setdefault(kept.key, (pos[n], kept.nbytes))
+    freed_at: dict[str, list[tuple[int, int]]] = {}
+    for i, b in first_saver.values():
+        freed_at.setdefault(part_of.get(nodes[i]), []).append((i, b))
+    out: dict[str, int] = {}
+    for n in nodes:
+        part = part_of.get(n)
+        if part is None or n not in flows:
+            continue
+        i = pos[n]
+        freed = sum(b for j, b in freed_at.get(part, ()) if j > i)
+        out[part] = max(out.get(part, 0), live[i] + own[i] - freed)
+    return out
+
+
+def kept_outputs(program: Program, part_of: dict) -> dict[str, int]:
+    """Per part, the bytes of the program's user outputs it makes that no op keeps for backward (the
+    logits next to the loss): the runtime returns every microbatch's outputs, so they live to the end
+    of the step. One batch of the program's shapes."""
+    saved = SavedTensors(program)
+    kept = {k.key for n in program.graph.nodes for k in saved.of(n)}
+    outs = program.graph.output_node().args[0]
+    outs = outs if isinstance(outs, (list, tuple)) else [outs]
+    got: dict[str, int] = {}
+    seen = set()
+    for b, node in zip(program.outputs, outs):
+        if b.kind != "user" or not isinstance(node, torch.fx.Node):
+            continue
+        val = node.meta.get(meta.VAL)
+        if not isinstance(val, torch.Tensor) or val.dim() == 0:
+            continue  # a scalar: the loss
+        for k in saved.value(node):
+            if k.key not in kept and k.key not in seen:
+                seen.add(k.key)
+                part = part_of.get(node, "post")
+                got[part] = got.get(part, 0) + k.nbytes
+    return got

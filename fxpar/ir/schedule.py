@@ -316,7 +316,7 @@ def simulate(actions: dict[int, list[Action]], stage_to_rank: list[int],
         for r, acts in actions.items():
             while pos[r] < len(acts):
                 a = acts[pos[r]]
-                deps = _deps(a, n_stages)
+                deps = dependencies(a, n_stages)
                 if any(d not in done for d in deps):
                     break
                 start = free[r]
@@ -340,7 +340,7 @@ def simulate(actions: dict[int, list[Action]], stage_to_rank: list[int],
         lines = []
         for r in blocked:
             a = actions[r][pos[r]]
-            missing = [d for d in _deps(a, n_stages) if d not in done]
+            missing = [d for d in dependencies(a, n_stages) if d not in done]
             lines.append(f"rank {r} at action {pos[r]} ({a}) waits for "
                          + " and ".join(_dep_name(d, stage_to_rank) for d in missing))
         raise PlanError("simulate: the schedule deadlocks: " + "; ".join(lines)
@@ -350,7 +350,8 @@ def simulate(actions: dict[int, list[Action]], stage_to_rank: list[int],
     return SimResult(makespan=makespan, busy=busy, bubble=bubble, times=times)
 
 
-def _deps(a: Action, n_stages: int) -> list[tuple[str, int, int]]:
+def dependencies(a: Action, n_stages: int) -> list[tuple[str, int, int]]:
+    """What ``a`` waits for: ``(kind, stage, mb)`` with kind F, I, or G (the B or I of the next stage)."""
     if a.kind == "F":
         return [("F", a.stage - 1, a.mb)] if a.stage > 0 else []
     if a.kind == "W":

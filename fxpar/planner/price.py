@@ -1,0 +1,399 @@
+"""The price of a plan: predicted step time, its parts, memory per rank, communication and MFU, from a
+model's per-part costs (:class:`~fxpar.planner.model_costs.ModelCosts`) and a device profile.
+
+It follows what fxpar builds and runs: stages are balanced contiguous groups of the model's parts (pre,
+layers, post; as fxpar's cost-balanced cuts), each rank's TP collectives block its compute (unless
+collective matmul hides them behind the chunks), the pipeline schedule's critical path comes from
+:mod:`fxpar.planner.schedule_dag`, the data-parallel engine (``runtime/data_parallel.py``) all-reduces
+fp32 gradient buckets as they fill during the last microbatch's backward (ZeRO-1/2 then all-gather the
+updated fp32 shards), ZeRO-3 (``runtime/zero3.py``) gathers every layer's bucket in each microbatch's
+forward and again in its backward and reduce-scatters its gradient, one bucket ahead of use. Memory is
+fp32 master state by ZeRO stage (:func:`fxpar.cost.predict.memory_per_rank`, AdamW: 2 states), the
+activations of the microbatches the schedule keeps in flight (plus the backward's transient: recomputed
+forward and the gradients alive at once, largest at the loss; and the program's outputs, kept to the
+step's end), and buffers. ``memory["total"]`` is the rank's peak, which is less than the sum of the
+parts: the gradients a step makes and its activations do not peak together (see :func:`_per_rank`).
+
+:class:`Pricer` caches everything that does not depend on the whole plan (part times per tp, sequence
+parallelism, microbatch size and recompute; stage cuts; the schedule's DAG), so a search prices tens of
+thousands of plans in seconds; :func:`price_plan` prices one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from fxpar.cost.predict import memory_per_rank as state_bytes
+from fxpar.ir import schedule as sched
+from fxpar.ir.errors import PlanError
+from fxpar.ir.plan import Plan
+from fxpar.planner.memory import activation_peaks
+from fxpar.planner.schedule_dag import critical_path
+
+ADAM_STATES = 2
+ADAM_BYTES = 28  # AdamW per fp32 entry: reads param, grad, 2 states; writes param, 2 states
+BUCKET = 25 * 2**20  # the data-parallel engine's gradient bucket
+
+__all__ = ["Estimate", "Pricer", "price_plan"]
+
+
+@dataclass
+class Estimate:
+    plan: Plan
+    step_time: float  # seconds per optimizer step (global batch)
+    parts: dict[str, float]  # compute, tp_comm, pp_comm, dp_comm (exposed), bubble (idle), optimizer
+    bubble: float  # fraction of the step a pipeline rank idles
+    memory: dict[str, int]  # bytes on the fullest rank: params, grads, optimizer, activations, buffers, total
+    comm_bytes: dict[str, int]  # bytes one rank sends per step: tp, pp, dp
+    mfu: float
+    tokens_per_s: float
+    fits: bool
+    why_not: str | None = None
+    exact: bool = field(default=True, repr=False)  # schedule priced on its DAG (False: the closed form)
+
+
+def price_plan(costs, plan: Plan, profile, *, global_batch: int, memory_per_rank: int | None = None) -> Estimate:
+    """Predict ``plan``'s training step for ``global_batch`` sequences of ``costs.seq`` tokens on ``profile``."""
+    return Pricer(costs, profile, global_batch=global_batch, memory_per_rank=memory_per_rank).price(plan)
+
+
+def gb(n: float) -> str:
+    """Bytes for messages: GB, MB or KB (a tiny model never reads "0.0 GB")."""
+    unit, scale = next(((u, x) for u, x in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)) if abs(n) >= x), ("B", 1))
+    return f"{n / scale:.1f} {unit}"
+
+
+@lru_cache(maxsize=4096)
+def _spans_nodes(world: int, rpn: int, stride: int, size: int) -> bool:
+    """Whether any group of ``size`` ranks ``stride`` apart (the mesh's dp/pp/tp groups) crosses nodes."""
+    if size <= 1:
+        return False
+    for first in range(world):
+        if (first // stride) % size == 0 and first // rpn != (first + stride * (size - 1)) // rpn:
+            return True
+    return False
+
+
+class Pricer:
+    """Prices plans of one model, device and global batch; caches what plans share."""
+
+    def __init__(self, costs, profile, *, global_batch: int, memory_per_rank: int | None = None):
+        self.costs, self.profile, self.batch = costs, profile, global_batch
+        self.memory = int(memory_per_rank if memory_per_rank is not None else profile.memory)
+        self.names = ["pre", *costs.layers, "post"]
+        # where a stage may start: each part, and the middle of each layer (fxpar's cuts may also fall at a
+        # layer's children, e.g. between its attention and its MLP): (part index, share of the part)
+        self.units = [u for i, n in enumerate(self.names)
+                      for u in ([(i, 1.0)] if n in ("pre", "post") else [(i, 0.5), (i, 0.5)])]
+        self._kinds: dict = {}
+        self._cuts: dict = {}
+        self._stage_cache: dict = {}
+
+    # ---- per part --------------------------------------------------------------------------------
+    def kind(self, name: str, tp: int, sp: bool, b: int, recompute: str, world: int, dtype: str) -> tuple:
+        """(fwd, bwd incl. recompute, weight-grad, tp fwd, tp bwd, params, kept, transient, out, outputs) of
+        one part; transient: what its backward adds on top of the kept activations (the recomputed forward
+        and the gradients alive at once); outputs: the program's outputs it makes, kept to the step's end."""
+        key = (name, tp, sp, b, recompute, world, dtype)
+        got = self._kinds.get(key)
+        if got is not None:
+            return got
+        part = self.costs.part(name, tp, sp)
+        p = self.profile
+        share = p.share(min(world, p.ranks_per_node))
+        fwd, bwd = part.time(p, b, dtype)
+        cheap = 0.0
+        if recompute == "selective" and name not in ("pre", "post"):
+            for f, _, act, weight, *_ in part.nodes:
+                if f * b < act * b + weight:  # not a matrix product: recomputed (as RankPart.time tells them)
+                    cheap += p.compute_time(f * b, act * b + weight, dtype, ops=1, matmul=False)
+        extra = fwd if recompute == "layer" and name not in ("pre", "post") else cheap
+        inter = _spans_nodes(world, p.ranks_per_node, 1, tp)
+        tf = sum(p.collective_time(k, n * b, tp, inter) for k, n, d in part.comm if d == "fwd")
+        tb = sum(p.collective_time(k, n * b, tp, inter) for k, n, d in part.comm if d != "fwd")
+        if recompute == "layer" and name not in ("pre", "post"):
+            tb += tf  # the recomputed forward runs its collectives again
+        act = part.act.get(recompute) or part.act.get("none") or (0, 0)
+        got = ((fwd) / share, (bwd + extra) / share, bwd / 2 / share, tf, tb, part.params,
+               act[0] * b, (act[1] + part.grad_bytes) * b, part.out_bytes * b, part.kept_out * b)
+        self._kinds[key] = got
+        return got
+
+    def cuts(self, n_stages: int, tp: int, sp: bool, b: int, world: int) -> list[tuple[int, int]]:
+        """Contiguous [start, end) ranges of ``self.units`` per stage, minimising the slowest stage."""
+        key = (n_stages, tp, sp, b, world)
+        got = self._cuts.get(key)
+        if got is not None:
+            return got
+        w = [_roofline(self, self.names[i], tp, sp, b) * f for i, f in self.units]
+        lo, hi = max(max(w), sum(w) / n_stages), max(w) + sum(w) / n_stages
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if len(_greedy(w, mid, n_stages)) <= n_stages:
+                hi = mid
+            else:
+                lo = mid
+        got = _greedy(w, hi, n_stages)
+        while len(got) < n_stages:  # split the largest group until every stage has a part
+            i = max(range(len(got)), key=lambda j: got[j][1] - got[j][0])
+            s, e = got[i]
+            half = (s + e) // 2
+            got[i:i + 1] = [(s, half), (half, e)]
+        self._cuts[key] = got
+        return got
+
+    def _stages(self, n_stages: int, tp: int, sp: bool, b: int, rc: str, world: int, dtype: str) -> dict[str, list]:
+        """Per stage of the balanced cuts: compute, TP comm, params, activations, outputs (cached)."""
+        key = (n_stages, tp, sp, b, rc, world, dtype)
+        got = self._stage_cache.get(key)
+        if got is not None:
+            return got
+        got = {k: [] for k in ("F", "B", "W", "tf", "tb", "params", "kept", "trans", "outs", "tpsent", "big",
+                                "kout")}
+        for s, e in self.cuts(n_stages, tp, sp, b, world):
+            units: dict[int, float] = {}  # part -> its share in the stage (two halves of a layer: whole)
+            for i, f in self.units[s:e]:
+                units[i] = units.get(i, 0.0) + f
+            ks = [(self.kind(self.names[i], tp, sp, b, rc, world, dtype), f) for i, f in units.items()]
+            for name, i in (("F", 0), ("B", 1), ("W", 2), ("tf", 3), ("tb", 4), ("params", 5), ("kept", 6),
+                            ("kout", 9)):
+                got[name].append(sum(k[i] * f for k, f in ks))
+            got["trans"].append(max(k[7] for k, _ in ks))
+            got["outs"].append(ks[-1][0][8])
+            got["big"].append(max(k[5] for k, _ in ks))
+            got["tpsent"].append(sum(self._tp_sent(self.names[i], tp, sp, b) * f for i, f in units.items()))
+        self._stage_cache[key] = got
+        return got
+
+    def _tp_sent(self, name: str, tp: int, sp: bool, b: int) -> float:
+        key = ("sent", name, tp, sp, b)
+        got = self._kinds.get(key)
+        if got is None:
+            got = self._kinds[key] = sum(_sent(kind, nb * b, tp) for kind, nb, _ in self.costs.part(name, tp, sp).comm)
+        return got
+
+    # ---- the plan --------------------------------------------------------------------------------
+    def check(self, plan: Plan) -> tuple[str, int, int]:
+        """Schedule name, stages per rank and microbatches per replica; PlanError when they do not fit."""
+        c = self.costs
+        reason = c.tp_allowed.get(plan.tp, f"tp={plan.tp} was not priced (costs have tp {sorted(c.tp_allowed)})")
+        if reason is not None:
+            raise PlanError(f"fxpar.planner.price: tp={plan.tp} cannot be used: {reason}")
+        if (plan.tp, plan.sequence_parallel) not in next(iter(c.parts.values())):
+            raise PlanError(f"fxpar.planner.price: no costs for tp={plan.tp}, sequence_parallel="
+                            f"{plan.sequence_parallel}; price it with model_costs(tp_degrees=...)")
+        name = sched.normalize_schedule(plan.schedule)
+        v = sched.stages_per_rank(name, plan.virtual_stages)
+        m = sched.microbatches(plan)
+        if self.batch % (plan.dp * m):
+            raise PlanError(f"fxpar.planner.price: global batch {self.batch} does not divide into dp={plan.dp} x "
+                            f"{m} microbatches; pick microbatches dividing {self.batch // plan.dp}"
+                            if self.batch % plan.dp == 0 else
+                            f"fxpar.planner.price: global batch {self.batch} is not a multiple of dp={plan.dp}")
+        if plan.pp * v > len(self.names):
+            raise PlanError(f"fxpar.planner.price: {plan.pp} x {v} stages but the model has {len(self.names)} parts "
+                            f"({len(c.layers)} layers + pre + post); use pp <= {len(self.names) // v}")
+        sched.validate(name, plan.pp, m, plan.pp * v)
+        return name, v, m
+
+    def price(self, plan: Plan, exact: bool | None = None) -> Estimate:
+        name, v, m = self.check(plan)
+        p, c = self.profile, self.costs
+        world, pp, tp, dp = plan.world_size, plan.pp, plan.tp, plan.dp
+        b = self.batch // (dp * m)
+        sp, rc = plan.sequence_parallel, plan.recompute
+        n_stages = pp * v
+        dp_inter = _spans_nodes(world, p.ranks_per_node, pp * tp, dp)
+        gbytes = 1 if plan.comm_dtype else (2 if plan.mixed_precision == "bf16" else 4)
+        dtype = "bf16" if plan.mixed_precision == "bf16" else c.dtype  # autocast computes in bf16
+        st = self._stages(n_stages, tp, sp, b, rc, world, dtype)
+        params, kept, trans, outs = st["params"], st["kept"], st["trans"], st["outs"]
+        tf, tb = st["tf"], st["tb"]
+        if plan.collective_matmul:  # the chunks' collectives hide behind the matmuls
+            k = plan.collective_matmul
+            tf = [x / k + max(0.0, x - y) for x, y in zip(tf, st["F"])]
+            tb = [x / k + max(0.0, x - y) for x, y in zip(tb, st["B"])]
+        zf = zb = [0.0] * n_stages
+        if plan.zero == 3 and dp > 1:
+            zf, zb = _zero3(self, n_stages, tp, sp, b, rc, world, dtype, dp, dp_inter, gbytes,
+                                 1 if plan.quantize_grads else 4, plan.prefetch > 0)
+        F = [x + y + z for x, y, z in zip(st["F"], tf, zf)]
+        B = [x + y + z for x, y, z in zip(st["B"], tb, zb)]
+        W = st["W"]
+        tpc = [x + y for x, y in zip(tf, tb)]
+        z3 = [x + y for x, y in zip(zf, zb)]
+        pp_inter = pp > 1 and _spans_nodes(world, p.ranks_per_node, tp, pp)
+        hop = max(outs[:-1], default=0)
+        comm = p.collective_time("send", hop, 2, pp_inter) if pp > 1 else 0.0
+        makespan, bubble = critical_path(name, pp, m, v, F, B, W, comm, exact=exact)
+        if p.compute_share and pp > 1:  # ranks sharing a host's cores: while some idle, the others run faster
+            host = min(world, p.ranks_per_node)
+            busy = max(1, round(host * (1.0 - bubble)))
+            makespan *= p.share(host) / p.share(busy)
+        is_exact = exact if exact is not None else sched_exact(name, pp, m, v)
+        mine = _owned(name, pp, n_stages)
+        pkey = ("peaks", n_stages, tp, sp, b, rc, world, dtype, name, pp, m, v, is_exact)
+        acts = self._stage_cache.get(pkey)
+        if acts is None:  # plans differing only in data parallelism share them
+            acts = self._stage_cache[pkey] = activation_peaks(name, pp, m, v, mine, kept, trans, st["kout"], params, is_exact)
+        # the slowest rank's busy time and its parts
+        busy = [m * sum(F[s] + B[s] for s in st) for st in mine]
+        r0 = max(range(pp), key=lambda r: busy[r])
+        tp_time = m * sum(tpc[s] for s in mine[r0])
+        z3_time = m * sum(z3[s] for s in mine[r0])
+        compute = busy[r0] - tp_time - z3_time
+        # data parallel: buckets reduce as they fill in the last microbatch's backward
+        dp_exposed, opt_time, worst = _per_rank(p, plan, m, mine, params, B, acts, st["big"], dp_inter, gbytes)
+        step = makespan + dp_exposed + opt_time
+        pp_comm = min(max(0.0, makespan - busy[r0]), 2 * (n_stages - 1) * comm)
+        idle = max(0.0, makespan - busy[r0] - pp_comm)
+        parts = {"compute": compute, "tp_comm": tp_time, "pp_comm": pp_comm, "dp_comm": z3_time + dp_exposed,
+                 "bubble": idle, "optimizer": opt_time}
+        memory = {**worst[1], "activations": int(worst[2]), "buffers": int(worst[3]), "total": int(worst[0])}
+        n0 = sum(params[s] for s in mine[r0])
+        tp_bytes = m * sum(st["tpsent"][x] for x in mine[r0])
+        dp_bytes = 0
+        if dp > 1:
+            if plan.zero == 3:
+                dp_bytes = m * (2 * _sent("all_gather", n0 * gbytes, dp) + _sent("reduce_scatter", 4 * n0, dp))
+            else:
+                dp_bytes = _sent("all_reduce", 4 * n0, dp) + (_sent("all_gather", 4 * n0, dp) if plan.zero else 0)
+        pp_bytes = max(2 * m * sum(outs[s] for s in st if s < n_stages - 1) for st in mine) if pp > 1 else 0
+        tokens = self.batch * c.seq
+        peak = p.peak_flops.get(dtype) or p.matmul_flops(dtype)
+        mfu = c.flops_per_token * tokens / (step * world * peak) if step > 0 else 0.0
+        fits = memory["total"] <= self.memory
+        return Estimate(plan, step, parts, bubble, memory, {"tp": int(tp_bytes), "pp": int(pp_bytes),
+                        "dp": int(dp_bytes)}, mfu, tokens / step if step > 0 else 0.0, fits,
+                        None if fits else f"memory: {gb(memory['total'])} > {gb(self.memory)}", is_exact)
+
+
+def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbytes, rbytes, prefetch) -> tuple:
+    """ZeRO-3's exposed gather / reduce-scatter time per stage and microbatch (forward, backward):
+    each part's bucket is gathered one ahead of use (``prefetch``), so only what its compute cannot
+    cover shows; the first bucket of the model always shows."""
+    key = (n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbytes, rbytes, prefetch)
+    got = self._stage_cache.get(key)
+    if got is not None:
+        return got
+    p = self.profile
+    zf, zb = [], []
+    for s, e in self.cuts(n_stages, tp, sp, b, world):
+        f = bw = 0.0
+        for u in range(s, e):
+            i, share = self.units[u]
+            k = self.kind(self.names[i], tp, sp, b, rc, world, dtype)
+            ck = ("z3", k[5], gbytes, rbytes, dp, inter)
+            both = self._kinds.get(ck)
+            if both is None:
+                both = self._kinds[ck] = (p.collective_time("all_gather", k[5] * gbytes, dp, inter),
+                                          p.collective_time("reduce_scatter", k[5] * rbytes, dp, inter))
+            gather, rs = both[0] * share, both[1] * share
+            hide = prefetch and u > 0 and p.comm_overlaps
+            f += max(0.0, gather - k[0] * share) if hide else gather
+            bw += max(0.0, gather + rs - k[1] * share) if hide else gather + rs
+        zf.append(f)
+        zb.append(bw)
+    self._stage_cache[key] = got = (zf, zb)
+    return got
+
+
+def _roofline(self: Pricer, name: str, tp: int, sp: bool, b: int) -> float:
+    """Forward + backward seconds of a part by the roofline alone, no per-op overhead: the weights
+    ``fxpar.compile`` balances its cuts by (``profile.device_model()``'s ``node_time``), so that the
+    planner's stages hold the parameters and activations the built ones do."""
+    key = ("roofline", name, tp, sp, b)
+    got = self._kinds.get(key)
+    if got is None:
+        p = self.profile
+        peak = p.matmul_flops(self.costs.dtype)
+        got = 0.0
+        for f, bw, act, weight, *_ in self.costs.part(name, tp, sp).nodes:
+            x = act * b + weight
+            got += max(f * b / peak, x / p.mem_bw) + (max(bw * b / peak, 2 * x / p.mem_bw) if bw else 0.0)
+        self._kinds[key] = got
+    return got
+
+
+@lru_cache(maxsize=1024)
+def _owned(name: str, pp: int, n_stages: int) -> list[list[int]]:
+    place = sched.stage_to_rank(name, pp, n_stages)
+    return [[s for s in range(n_stages) if place[s] == r] for r in range(pp)]
+
+
+def _per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, dp_inter: bool, gbytes: int) -> tuple:
+    """Over the pipeline ranks: the data-parallel time left exposed after the last microbatch's backward
+    (buckets reduce as they fill; ZeRO-1/2 then gather the updated shards), the optimizer step, and the
+    fullest rank's memory ``(peak, states, activations, buffers)``.
+
+    ``acts[r]``: the rank's peak of activations without and with the gradients its backward makes
+    (:func:`fxpar.planner.memory.activation_peaks`). The step drops the parameters' gradients when it begins
+    (``runtime/model.py``), so without data parallelism they are not there at the activations' peak;
+    the data-parallel engine keeps its flat buckets (the gradients between steps are views of them:
+    ``runtime/data_parallel.py``) and autograd's fresh gradients are copied into them as backward makes
+    them. ZeRO-2 frees each bucket's full gradients when it goes out (its flat buckets, made each step,
+    take their place); ZeRO-3 reduce-scatters each bucket's gradient at once and keeps one gathered
+    bucket (the last of the forward, for the backward that starts with it)."""
+    dp, pp = plan.dp, plan.pp
+    dp_exposed = opt_time = 0.0
+    worst: tuple = ()
+    per_n: dict[int, tuple] = {}  # ranks holding equal parameter counts share their collectives
+    for r in range(pp):
+        n = sum(params[s] for s in mine[r])
+        got = per_n.get(n)
+        if got is None:
+            red = last = gather = 0.0
+            if dp > 1 and plan.zero < 3:
+                red = p.collective_time("all_reduce", 4 * n, dp, dp_inter)
+                last = p.collective_time("all_reduce", min(4 * n, BUCKET), dp, dp_inter)
+                if plan.zero in (1, 2):
+                    gather = p.collective_time("all_gather", 4 * n, dp, dp_inter)
+            mem = state_bytes(n, plan.zero, dp, ADAM_STATES)
+            if plan.zero == 2 and m > 1:  # gradients accumulate whole over the microbatches
+                mem["grads"] += 4 * n
+            if plan.zero == 3 and dp > 1:  # fxpar keeps each rank's full (TP/PP-local) parameters beside its
+                mem["params"] += 4 * n  # shards: the model's own tensors, or those weights= loaded (a known limit)
+            opt = p.optimizer_time(n // dp if plan.zero else n, ADAM_BYTES)
+            got = per_n[n] = (red, last, gather, mem, sum(mem.values()), opt)
+        red, last, gather, mem, held, opt = got
+        if dp > 1 and plan.zero < 3:
+            hidden = sum(B[s] for s in mine[r]) if p.comm_overlaps else 0.0
+            dp_exposed = max(dp_exposed, max(0.0, red - hidden) + (last if p.comm_overlaps else 0.0) + gather)
+        opt_time = max(opt_time, opt)
+        buffers, made = 0, True  # whether the gradients backward makes add to the state
+        if plan.zero == 3 and dp > 1:
+            buffers, made = max(big_part[x] for x in mine[r]) * gbytes, False
+        elif plan.zero == 2 and dp > 1 and m > 1:
+            made = False  # accumulated whole over the microbatches (counted in the state)
+        before = mem["grads"] - (4 * n if dp == 1 and plan.zero == 0 else 0)  # gradients held as the step begins
+        total = held - mem["grads"] + before + buffers + acts[r][made]
+        if not worst or total > worst[0]:
+            worst = (total, mem, acts[r][0], buffers)
+    return dp_exposed, opt_time, worst
+
+
+def sched_exact(name: str, pp: int, m: int, v: int) -> bool:
+    from fxpar.planner.schedule_dag import EXACT_LIMIT, n_actions
+
+    return n_actions(name, pp, m, v) <= EXACT_LIMIT
+
+
+def _sent(kind: str, nbytes: float, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    return nbytes * {"all_reduce": 2 * (n - 1) / n, "send": 1.0}.get(kind, (n - 1) / n)
+
+
+def _greedy(w: list[float], limit: float, most: int) -> list[tuple[int, int]]:
+    """Contiguous groups of ``w`` each at most ``limit`` (stops early once past ``most`` groups)."""
+    out, start, acc = [], 0, 0.0
+    for i, x in enumerate(w):
+        if acc + x > limit and i > start:
+            out.append((start, i))
+            if len(out) > most:
+                return out + [(i, len(w))]
+            start, acc = i, 0.0
+        acc += x
+    out.append((start, len(w)))
+    return out

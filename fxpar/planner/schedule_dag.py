@@ -1,0 +1,205 @@
+"""A pipeline schedule's step time as the critical path of its action DAG, for the planner.
+
+The DAG of :func:`fxpar.ir.schedule.build_schedule`'s actions (nodes: F/B/I/W of a stage and microbatch;
+edges: the data dependencies and each rank's own order) is built once per ``(schedule, pp, m, v)`` with
+networkx and kept; a step's makespan is its longest path with each action's duration on the node (an edge
+into an action from another rank adds the point-to-point transfer time), the same model as
+:func:`fxpar.ir.schedule.simulate`. The longest path is evaluated on networkx's topological order of the
+cached graph (one pass over the edges; results cached per rounded costs), so thousands of plans can be
+priced. Schedules too large to build cheaply (``EXACT_LIMIT`` actions) get a closed form instead: ``m``
+times the busiest rank's per-microbatch time, plus the warm-up/cool-down ``(pp - 1)`` times that over the
+stages per rank (gpipe/1f1b: 1; interleaved: 1/v; zero-bubble: the input-gradient share, 1/v), plus the
+transfers on the path.
+
+It also gives, per rank, the microbatches of each stage alive at the rank's activation peaks, so the
+planner can price activation memory for any per-stage bytes without walking the schedule again.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import networkx as nx
+
+from fxpar.ir.schedule import (
+    Action,
+    build_schedule,
+    dependencies,
+    normalize_schedule,
+    stage_to_rank,
+    stages_per_rank,
+)
+
+EXACT_LIMIT = 2500  # actions: above this, the closed form (building torch's orders gets slow)
+
+__all__ = ["EXACT_LIMIT", "closed_form", "critical_path", "n_actions", "peak_activation", "schedule_dag"]
+
+
+def n_actions(schedule: str, pp: int, m: int, v: int) -> int:
+    name = normalize_schedule(schedule)
+    per = 3 if name in ("zbv", "interleaved_zb") else 2
+    return per * pp * v * m
+
+
+@lru_cache(maxsize=256)
+def schedule_dag(schedule: str, pp: int, m: int, v: int) -> tuple[nx.DiGraph, dict[int, list[Action]], list[int]]:
+    """The DAG of the schedule's actions (``cross`` edges go between ranks), the orders and the placement."""
+    name = normalize_schedule(schedule)
+    n_stages = pp * stages_per_rank(name, v)
+    order = build_schedule(name, pp, m, n_stages)
+    place = stage_to_rank(name, pp, n_stages)
+    g = nx.DiGraph()
+    made: dict[tuple[str, int, int], Action] = {}  # ("F"|"G"|"I", stage, mb) -> the action
+    for acts in order.values():
+        for a in acts:
+            g.add_node(a)
+            made[(a.kind, a.stage, a.mb)] = a
+            if a.kind in ("B", "I"):
+                made[("G", a.stage, a.mb)] = a
+    for r, acts in order.items():
+        for prev, a in zip(acts, acts[1:]):
+            g.add_edge(prev, a, cross=False)
+        for a in acts:
+            for dep in dependencies(a, n_stages):
+                src = made[dep]
+                g.add_edge(src, a, cross=place[src.stage] != r)
+    return g, order, place
+
+
+@lru_cache(maxsize=256)
+def _compiled(schedule: str, pp: int, m: int, v: int) -> tuple:
+    """The DAG as index arrays in topological order: kinds, stages, ranks, predecessor lists."""
+    g, order, place = schedule_dag(schedule, pp, m, v)
+    topo = list(nx.topological_sort(g))
+    index = {a: i for i, a in enumerate(topo)}
+    preds = [tuple((index[p], g.edges[p, a]["cross"]) for p in g.predecessors(a)) for a in topo]
+    return tuple(topo), tuple(preds), tuple(place[a.stage] for a in topo)
+
+
+def _per_stage(x, n: int) -> list[float]:
+    return [float(x)] * n if isinstance(x, (int, float)) else [float(y) for y in x]
+
+
+def critical_path(schedule: str, pp: int, m: int, v: int, F, B, W=None, comm: float = 0.0,
+                  exact: bool | None = None) -> tuple[float, float]:
+    """``(makespan, bubble)`` of one step: per-stage forward ``F``, backward ``B`` (input + weight
+    gradient) and weight-gradient ``W`` seconds (lists of pp*v, or one number for all), ``comm`` seconds
+    per transfer between ranks. ``bubble``: the fraction of ``pp * makespan`` the ranks idle.
+    ``exact=None``: the DAG up to :data:`EXACT_LIMIT` actions, the closed form above."""
+    name = normalize_schedule(schedule)
+    v = stages_per_rank(name, v)
+    n = pp * v
+    f, b = _per_stage(F, n), _per_stage(B, n)
+    w = _per_stage(W, n) if W is not None else [x / 2 for x in b]
+    if exact is None:
+        exact = n_actions(name, pp, m, v) <= EXACT_LIMIT
+    if not exact:
+        return closed_form(name, pp, m, v, f, b, w, comm)
+    key = (name, pp, m, v, _round(f), _round(b), _round(w), round(comm, 12))
+    return _exact(key)
+
+
+def _round(xs: list[float]) -> tuple[float, ...]:
+    return tuple(float(f"{x:.12g}") for x in xs)
+
+
+@lru_cache(maxsize=65536)
+def _exact(key: tuple) -> tuple[float, float]:
+    name, pp, m, v, f, b, w, comm = key
+    topo, preds, ranks = _compiled(name, pp, m, v)
+    dur = {"F": f, "B": b, "W": w, "I": [x - y for x, y in zip(b, w)]}
+    end = [0.0] * len(topo)
+    busy = [0.0] * pp
+    for i, a in enumerate(topo):
+        start = 0.0
+        for j, cross in preds[i]:
+            t = end[j] + comm if cross else end[j]
+            if t > start:
+                start = t
+        d = dur[a.kind][a.stage]
+        end[i] = start + d
+        busy[ranks[i]] += d
+    makespan = max(end, default=0.0)
+    return makespan, (1.0 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0)
+
+
+def closed_form(schedule: str, pp: int, m: int, v: int, f: list[float], b: list[float], w: list[float],
+                comm: float) -> tuple[float, float]:
+    """The makespan without the DAG: ``m`` x the busiest rank's microbatch + the warm-up and cool-down
+    + the transfers on the path (exact for gpipe/1f1b/interleaved with equal stages; within a few per
+    cent of the DAG for the zero-bubble schedules)."""
+    name = normalize_schedule(schedule)
+    place = stage_to_rank(name, pp, pp * v)
+    per = [0.0] * pp
+    wr = [0.0] * pp
+    for s, r in enumerate(place):
+        per[r] += f[s] + b[s]
+        wr[r] += w[s]
+    top = max(per)
+    mean = sum(per) / pp
+    hops = 2 * (pp * v - 1) - (1 if name == "zbv" else 0) * 2  # the V's turn stays on one rank
+    if name == "gpipe":
+        fill = (pp - 1) * mean
+        hops = 2 * (pp - 1)
+    elif name == "1f1b":
+        fill = (pp - 1) * mean
+        hops = 2 * (pp - 1) + (m - 1) * 2 * (1 - 1 / pp)  # steady state waits a transfer each way
+    elif name == "interleaved_1f1b":
+        fill = (pp - 1) * mean / v
+    else:  # zero bubble: the weight gradients fill the cool-down
+        fill = (pp - 1) * (mean - 2 * sum(wr) / pp) / v
+    makespan = m * top + max(fill, 0.0) + hops * comm if pp > 1 else m * top
+    return makespan, (1.0 - m * sum(per) / (pp * makespan) if makespan > 0 else 0.0)
+
+
+@lru_cache(maxsize=1024)
+def _peak_vectors(schedule: str, pp: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, ...], int], ...], ...]:
+    """Per rank: the (live microbatches per local stage, stage whose backward runs or -1) at its peaks."""
+    _, order, place = schedule_dag(schedule, pp, m, v)
+    out = []
+    for r in range(pp):
+        mine = [s for s in range(len(place)) if place[s] == r]
+        pos = {s: i for i, s in enumerate(mine)}
+        live = [0] * len(mine)
+        split = {(a.stage, a.mb) for a in order[r] if a.kind == "W"}
+        seen: set = set()
+        for a in order[r]:
+            i = pos[a.stage]
+            if a.kind == "F":
+                live[i] += 1
+                seen.add((tuple(live), -1))
+            elif a.kind in ("B", "I"):
+                seen.add((tuple(live), i))
+            if a.kind == "W" or (a.kind == "B" and (a.stage, a.mb) not in split):
+                live[i] -= 1
+        keep = [x for x in seen if not any(y != x and y[1] == x[1] and all(p >= q for p, q in zip(y[0], x[0]))
+                                           for y in seen)]
+        out.append(tuple(sorted(keep)))
+    return tuple(out)
+
+
+def peak_activation(schedule: str, pp: int, m: int, v: int, kept: list[list[float]],
+                    transient: list[list[float]], exact: bool | None = None) -> list[float]:
+    """Peak activation bytes per rank: ``kept[r][i]`` / ``transient[r][i]`` per microbatch of rank r's
+    i-th stage (in stage order), as :func:`fxpar.cost.predict.peak_activations` would find walking the
+    rank's actions. Above :data:`EXACT_LIMIT`: the in-flight bound of the schedule's warm-up."""
+    name = normalize_schedule(schedule)
+    v = stages_per_rank(name, v)
+    if exact is None:
+        exact = n_actions(name, pp, m, v) <= EXACT_LIMIT
+    if exact:
+        vecs = _peak_vectors(name, pp, m, v)
+        return [max(sum(c * k for c, k in zip(live, kept[r])) + (transient[r][t] if t >= 0 else 0.0)
+                    for live, t in vecs[r]) for r in range(pp)]
+    out = []
+    for r in range(pp):
+        if name == "gpipe":
+            flight = m
+        elif name == "1f1b":
+            flight = min(m, pp - r)
+        elif name == "interleaved_1f1b":  # the extra warm-up round of chunks
+            flight = min(m, pp - r + (pp - 1) / v)
+        else:  # zero-bubble schedules hold pp microbatches on every rank
+            flight = min(m, pp)
+        out.append(flight * sum(kept[r]) + max(transient[r], default=0.0))
+    return out
