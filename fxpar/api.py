@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from fxpar import launch, passes
+from fxpar import auto, launch, passes
 from fxpar.cost.device import H100, DeviceModel
 from fxpar.cost.flops import annotate_costs
 from fxpar.cost.partition import balanced_cuts, resolve_split_points
@@ -161,6 +161,11 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
             max_grad_norm: float | None = None, param_groups=None) -> CompiledModel:
     """Compile ``model`` for ``plan`` on this rank (call it on every rank with the same arguments).
 
+    ``plan``: a :class:`Plan`, its text (``"dp=2,pp=2"``) or ``"auto"``: every rank chooses the same plan
+    with :func:`fxpar.autoplan` for the process group's world, the example batch's global batch and length
+    and this device's profile (:func:`fxpar.cost.profiles.profile_for_device`), checked across the ranks
+    once the group exists; rank 0 prints it; ``compiled.autoplan`` holds the ranked alternatives.
+
     ``example_kwargs`` is one full batch (labels included for training); ``optimizer`` a factory
     ``params -> torch.optim.Optimizer`` applied to the parameters this rank holds. ``timeout``: seconds a
     rank waits for a peer before failing with a message that names it (default 300, or
@@ -189,6 +194,14 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     """
     check_max_grad_norm(max_grad_norm)  # before any communication
     groups = ParamGroups.from_rule(model, param_groups) if param_groups is not None else None
+    is_auto = isinstance(plan, str) and plan.strip().lower() == "auto"
+    if is_auto:  # the same plan on every rank (pure), before any communication; checked across ranks below
+        device = device if device is not None else launch.device_for_model(model)
+        chosen = auto.plan_for_compile(model, example_args, dict(example_kwargs or {}), world=auto.world_size(),
+                                       device=device, optimizer=optimizer, frontend=frontend)
+        plan = chosen.best
+        if device_model is H100:  # the pipeline cuts balanced on the profile the plan was priced on
+            device_model = chosen.profile.device_model()
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     if plan.fused_loss:  # the fused loss's kernels (loaded on demand: the module imports triton)
         import fxpar.runtime.kernels.cross_entropy  # noqa: F401
@@ -198,13 +211,18 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
         launch.init_distributed(timeout)  # torchrun started us, the script did not join: join here
     liveness.start()  # a no-op on one rank, or when init_distributed started it
     world, rank = _world()
+    if is_auto:
+        auto.check_same_plan(plan, world)  # the first communication: every rank chose the same plan
+        auto.announce(chosen, rank)
     feasibility.check_world(plan, world)
     device = device if device is not None else launch.device_for_model(model)
     with liveness.guard("compile"):
-        return _compile(model, plan, MeshSpec.for_plan(plan, rank), example_args, example_kwargs,
-                        optimizer=optimizer, device=device, device_model=device_model, frontend=frontend,
-                        timeout=timeout, program=program, weights=weights, dry=False,
-                        max_grad_norm=max_grad_norm, groups=groups)
+        compiled = _compile(model, plan, MeshSpec.for_plan(plan, rank), example_args, example_kwargs,
+                            optimizer=optimizer, device=device, device_model=device_model, frontend=frontend,
+                            timeout=timeout, program=program, weights=weights, dry=False,
+                            max_grad_norm=max_grad_norm, groups=groups)
+    compiled.autoplan = chosen if is_auto else None  # the ranked alternatives, for inspection
+    return compiled
 
 
 def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,

@@ -1,9 +1,11 @@
 """``fxpar plan``: what a plan does (stages, collectives, memory, with tp > 1 the TP coverage per
-module) without launching; ``--json`` for machines."""
+module) without launching; with ``--auto`` the plan the planner chooses for a world of ranks on a device
+profile, the ranked alternatives and the usual hand-made plan beside it; ``--json`` for machines."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -17,6 +19,10 @@ def cmd_plan(args) -> int:
     import fxpar
     from fxpar.api import price
 
+    if args.auto:
+        return cmd_auto(args)
+    if args.world is not None:
+        raise fxpar.PlanError(f"fxpar plan: --world {args.world} is for --auto (a given plan's degrees set its world)")
     plan = fxpar.Plan.from_file(args.plan_file) if args.plan_file else fxpar.Plan.parse(args.plan)
     model = load_model(args.model, meta=args.meta)
     kwargs = example_kwargs(model, args.batch, args.seq)
@@ -44,4 +50,34 @@ def cmd_plan(args) -> int:
         print(f"expert parallelism ep={plan.ep}: the example batch's load per MoE layer\n"
               + format_load(priced.ep.stats))
     print("passes: " + ", ".join(f"{name} {1e3 * secs:.0f} ms" for name, secs in priced.result.timings))
+    return 0
+
+
+def cmd_auto(args) -> int:
+    """``fxpar plan MODEL --auto --world N``: build the model (``--meta``: no weights), price the plan space
+    on the device profile (:func:`fxpar.autoplan`), print the chosen plan, its MFU, the top alternatives,
+    the hand-made baseline and why the others lost (or all of it as JSON)."""
+    from fxpar.auto import autoplan
+    from fxpar.ir.errors import PlanError
+
+    if args.world is None:
+        raise PlanError("fxpar plan --auto needs the number of ranks: --world N (e.g. --world 1024)")
+    start = time.perf_counter()
+    model = load_model(args.model, meta=args.meta)
+    built = time.perf_counter()
+    batch = args.global_batch if args.global_batch is not None else args.batch
+    auto = autoplan(model, args.world, device=args.device, memory_per_rank=args.memory, global_batch=batch,
+                    seq=args.seq, top=args.top, dtype=args.dtype)
+    done = time.perf_counter()
+    if args.json:
+        data = auto.to_dict(top=args.top)
+        data["timings"] = {"build_s": built - start, "plan_s": done - built}
+        print(json.dumps(data, indent=2, default=str))
+        return 0
+    dtype = args.dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
+    print(f"fxpar plan --auto: {args.model}, {args.world} ranks of {auto.profile.name}, global batch {batch} x "
+          f"seq {args.seq}, computing in {dtype}")
+    print(auto.to_text(top=args.top))
+    print(f"model built in {built - start:.2f} s, costed and searched in {done - built:.2f} s "
+          f"(search {auto.seconds:.2f} s)")
     return 0

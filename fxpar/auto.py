@@ -1,0 +1,202 @@
+"""``fxpar.autoplan`` and what ``fxpar.compile(model, "auto")`` adds to ``compile``: the whole plan chosen
+by the planner (:mod:`fxpar.planner`) from one trace of the model and a device profile (:mod:`fxpar.cost.profiles`).
+
+Planning is pure (no process group, no randomness, ties broken by the search's fixed key), so every rank of
+a world computes the same plan on its own before any communication; ``compile("auto")`` then compares the
+plans once the default process group exists, and a mismatch (ranks given different batches, devices or
+profiles) names both plans instead of hanging in a collective built for the wrong mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import fields
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from fxpar.cost.profiles import DeviceProfile
+from fxpar.ir.batch import batch_size
+from fxpar.ir.errors import PlanError
+from fxpar.ir.plan import Plan
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(value: int | float | str | None) -> int | None:
+    """Bytes from ``80e9``, ``"80GB"`` (powers of 1000), ``"80GiB"`` (powers of 1024) or ``"512 MB"``; None stays None."""
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS:
+        raise PlanError(f"memory per rank {value!r}: write a number of bytes or a size like '80GB' or '80GiB' "
+                        f"(units: {', '.join(u for u in _UNITS if u)})")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def resolve_profile(device: str | DeviceProfile | torch.device | None) -> DeviceProfile:
+    """A :class:`DeviceProfile` as given, a profile name (``"h100-80gb"``) or a JSON path written by
+    ``fxpar calibrate``, a ``torch.device`` (its own profile), or None (``$FXPAR_PROFILE``, this host's
+    calibrated profile, else ``"cpu"``)."""
+    from fxpar.cost.profiles import load_profile, profile_for_device
+
+    if isinstance(device, DeviceProfile):
+        return device
+    if isinstance(device, torch.device):
+        return profile_for_device(device)
+    return load_profile(device)
+
+
+def tp_degrees(world: int, ranks_per_node: int) -> tuple[int, ...]:
+    """The tensor-parallel degrees worth pricing: the divisors of ``world`` that fit in one node (a TP group
+    across nodes blocks on the slow link at every layer)."""
+    cap = max(1, min(world, ranks_per_node))
+    return tuple(d for d in range(1, cap + 1) if world % d == 0)
+
+
+def autoplan(model: torch.nn.Module, world_size: int, *, device: str | DeviceProfile | None = "h100-80gb",
+             memory_per_rank: int | str | None = None, global_batch: int, seq: int, dtype: str | None = None,
+             top: int = 5, costs=None, frontend: str = "auto"):
+    """The best plan for training ``model`` on ``world_size`` ranks of ``device``, with the ranked alternatives.
+
+    ``device``: a profile name (``"h100-80gb"``, ``"h200-141gb"``, ``"a100-80gb"``, ``"cpu"``), the path of
+    a profile ``fxpar calibrate`` wrote, a :class:`~fxpar.cost.profiles.DeviceProfile`, or None for this
+    host's calibrated profile. ``memory_per_rank``: bytes or ``"80GB"``; None takes the profile's.
+    ``global_batch`` sequences of ``seq`` tokens per optimizer step. ``dtype``: ``"fp32"`` or ``"bf16"``
+    (None: the model's). ``costs``: a :class:`~fxpar.planner.model_costs.ModelCosts` already computed for
+    this ``seq`` (skips the trace). Returns an :class:`~fxpar.planner.search.AutoPlan`: ``.best`` (a
+    :class:`Plan`), ``.estimate``, ``.ranked``, ``.rejected`` with their reasons, ``.baseline`` (the usual
+    hand-made plan priced the same way) and ``.to_text()``. Raises :class:`PlanError` when nothing fits,
+    naming the numbers and what would.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"fxpar.autoplan: world_size={world_size!r}; give the number of ranks (>= 1)")
+    if global_batch < 1 or seq < 1:
+        raise PlanError(f"fxpar.autoplan: global_batch={global_batch}, seq={seq}; both must be >= 1")
+    from fxpar.planner.model_costs import model_costs
+    from fxpar.planner.search import search
+
+    profile = resolve_profile(device)
+    if costs is None:
+        costs = model_costs(model, seq, tp_degrees=tp_degrees(world_size, profile.ranks_per_node), dtype=dtype,
+                            frontend=frontend)
+    elif costs.seq != seq:
+        raise PlanError(f"fxpar.autoplan: the costs given were computed for seq={costs.seq}, not seq={seq}; "
+                        "compute them again with fxpar.planner.model_costs.model_costs(model, seq)")
+    return search(costs, world_size, profile, global_batch=global_batch,
+                  memory_per_rank=parse_memory(memory_per_rank), top=top, allow=compile_rule(model))
+
+
+def tied_parameters(model: torch.nn.Module | None) -> list[list[str]]:
+    """The FQNs of each parameter the model holds under several names (tied embeddings and LM heads)."""
+    names: dict[int, list[str]] = {}
+    for fqn, param in (model.named_parameters(remove_duplicate=False) if model is not None else ()):
+        names.setdefault(id(param), []).append(fqn)
+    return [fqns for fqns in names.values() if len(fqns) > 1]
+
+
+def compile_rule(model: torch.nn.Module | None):
+    """What ``fxpar.compile`` refuses that the costs cannot see, as the search's ``allow`` rule (plan -> None,
+    or why not): ZeRO-3 with pp > 1 on a model with tied weights (ZeRO-3 shards each stage's parameters on
+    their own, so tied weights on two pipeline ranks would drift apart: ``feasibility.check_zero3_ties``), and
+    selective recompute under a schedule that splits the backward (the recompute pass refuses it)."""
+    from fxpar.ir.schedule import normalize_schedule
+    from fxpar.passes.recompute import _SPLIT_BACKWARD
+
+    tied = tied_parameters(model)
+    names = " = ".join(tied[0]) if tied else ""
+
+    def allow(plan: Plan) -> str | None:
+        if tied and plan.zero == 3 and plan.pp > 1:
+            return f"ZeRO-3 with pp={plan.pp} and tied weights ({names}) that pipeline ranks may share"
+        if plan.recompute == "selective" and normalize_schedule(plan.schedule) in _SPLIT_BACKWARD:
+            return f"recompute='selective' with {plan.schedule}, whose backward runs in two passes"
+        return None
+
+    return allow
+
+
+def plan_text(plan: Plan) -> str:
+    """The plan's fields that differ from the defaults, as ``Plan.parse`` reads them (``dp=4,pp=2,zero=1``)."""
+    default = Plan()
+    items = [f"{f.name}={getattr(plan, f.name)}" for f in fields(Plan)
+             if f.name in ("dp", "pp", "tp") or getattr(plan, f.name) != getattr(default, f.name)]
+    return ",".join(items).replace("=True", "=true").replace("=False", "=false")
+
+
+def example_shape(example_args: tuple, example_kwargs: dict) -> tuple[int, int]:
+    """(global batch, sequence length) of an example batch: the batch from fxpar's batch rule, the length
+    from ``input_ids`` (else the first tensor of two or more dims with that batch)."""
+    flat, _ = pytree.tree_flatten((tuple(example_args), dict(example_kwargs)))
+    batch = batch_size(flat)
+    ids = example_kwargs.get("input_ids")
+    tensors = ([ids] if isinstance(ids, torch.Tensor) else []) + [
+        t for t in flat if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == batch]
+    if not tensors or tensors[0].dim() < 2:
+        raise PlanError("compile(model, 'auto') reads the sequence length from the example batch: pass "
+                        "example_kwargs with input_ids of shape [batch, seq]")
+    return batch, int(tensors[0].shape[1])
+
+
+def world_size() -> int:
+    """The world ``compile`` runs in: the process group's, or before one exists the one torchrun describes
+    (``WORLD_SIZE``; ``compile`` joins that group after planning), else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def plan_for_compile(model, example_args: tuple, example_kwargs: dict, *, world: int, device,
+                     optimizer, frontend: str):
+    """The AutoPlan ``compile(model, "auto")`` runs: ``world`` ranks of this device's profile, the example
+    batch's global batch and length. Pure: every rank gets the same one (checked by :func:`check_same_plan`)."""
+    if optimizer is None:
+        raise PlanError("compile(model, 'auto') chooses a plan for training steps, and data parallelism and ZeRO "
+                        "need the optimizer: pass optimizer=lambda params: torch.optim.AdamW(params, ...) "
+                        "(or give a plan, e.g. compile(model, 'pp=2', ...), for inference)")
+    batch, seq = example_shape(example_args, example_kwargs)
+    return autoplan(model, world, device=resolve_profile(torch.device(device)), global_batch=batch, seq=seq,
+                    frontend=frontend)
+
+
+def plan_key(plan: Plan) -> str:
+    """The plan as canonical JSON: equal plans, equal keys."""
+    return json.dumps(plan.to_dict(), sort_keys=True, default=str)
+
+
+def plan_mismatch(keys: list[str]) -> str | None:
+    """None when every rank's :func:`plan_key` is the same, else the message naming rank 0's plan and the
+    first rank's that differs."""
+    other = next((r for r, key in enumerate(keys) if key != keys[0]), None)
+    if other is None:
+        return None
+    first, second = (plan_text(Plan(**json.loads(keys[r]))) for r in (0, other))
+    return (f"compile(model, 'auto'): the ranks chose different plans: rank 0 {first}, rank {other} {second}; "
+            "every rank must pass the same model, example batch and device type (and see the same FXPAR_PROFILE)")
+
+
+def check_same_plan(plan: Plan, world: int) -> None:
+    """Every rank must have chosen the same plan: compared over the default process group (one small
+    all-gather) once it exists; a PlanError naming the differing plans otherwise."""
+    if world == 1 or not (dist.is_available() and dist.is_initialized()):
+        return
+    keys: list = [None] * world
+    dist.all_gather_object(keys, plan_key(plan))
+    message = plan_mismatch(keys)
+    if message:
+        raise PlanError(message)
+
+
+def announce(auto, rank: int) -> None:
+    """Rank 0 prints one line: the chosen plan and its prediction."""
+    if rank != 0:
+        return
+    est = auto.estimate
+    print(f"fxpar: plan 'auto' for {auto.world} ranks of {auto.profile.name}: {plan_text(auto.best)} "
+          f"(predicted {est.step_time:.4g} s/step, MFU {100 * est.mfu:.1f}%, {len(auto.ranked)} feasible plans "
+          f"ranked in {auto.seconds:.2f} s)", flush=True)
