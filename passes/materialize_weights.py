@@ -6,7 +6,8 @@ into ``ctx.shared["tp_shards"]`` so every signature of the compiled model comput
 
 The policy (a state dict, safetensors files or the model's initialiser) arrives as ``ctx.load``, a
 callback the caller builds (``fxpar.weights.WeightSource.load``): the pass decides *what* this rank
-needs, the callback *where it comes from*. A tensor loaded for one signature is reused by the next.
+needs, the callback *where it comes from*. A tensor loaded for one signature is reused by the next, and by
+every other stage of this rank that reads it (virtual stages: a rotary table's buffer in stages 0 and 2).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ def materialize_weights(stage: StageSpec, ctx) -> StageSpec:
     tp_shards = ctx.shared.setdefault("tp_shards", {})
     for fqn in stage.params + stage.buffers:
         t = program.tensor(fqn)
-        if not t.is_meta:
-            continue
         if fqn not in loaded:
+            if not t.is_meta:  # the model's own tensor
+                continue
             layout = ctx.out.tp.layout(fqn)
             v = ctx.load(list(program.params[fqn].fqns), layout, like=t).to(ctx.device)
             loaded[fqn] = torch.nn.Parameter(v, requires_grad=t.requires_grad) \

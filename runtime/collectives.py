@@ -294,7 +294,7 @@ def _reduce_scatter(x: torch.Tensor, group: str, dim: int, comm_dtype: str | Non
         if x.numel():
             _communicate("reduce_scatter", group, x,
                          lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg, async_op=True))
-        return full.narrow(d, rank * k, k).contiguous()
+        return _copy(full.narrow(d, rank * k, k))  # a copy: a view (dim 0) would keep the whole sum alive
     # Native path (NCCL, ...): the single-tensor reduce-scatter splits along dim 0.
     front = x.movedim(d, 0).contiguous()
     out = front.new_empty((k, *front.shape[1:]))

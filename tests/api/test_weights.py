@@ -79,6 +79,14 @@ def test_meta_model_from_initialiser(pool2):
         assert 0.015 < r["std"] < 0.025  # transformers' initializer_range 0.02
 
 
+def test_meta_model_with_two_stages_per_rank(pool2):
+    """Virtual stages: rank 0 runs stages 0 and 2, and both recompute the rotary table from the same
+    buffer; the weights loaded for the first stage must reach the second (it ran on meta data before)."""
+    plan = "pp=2,schedule=interleaved_1f1b,microbatches=2"
+    for r in pool2.run(meta_training, "llama", plan, "state_dict", "", timeout=120):
+        assert r["weights"] <= TOL and r["loss"] <= TOL and not r["meta_left"], r
+
+
 @pytest.mark.slow
 def test_meta_model_pp2_tp2_holds_only_its_stages(llama_file, pool4):
     results = pool4.run(meta_training, "llama", "pp=2,tp=2", "safetensors", llama_file, timeout=180)
