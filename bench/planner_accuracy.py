@@ -1,0 +1,353 @@
+"""The planner's cost model against measured runs: predicted vs measured step time and peak memory per rank.
+
+    fxpar calibrate --world 8 --out PROFILE.json          # first: this host's profile (about 2 minutes)
+    python bench/planner_accuracy.py [--profile PROFILE.json|NAME] [--steps 5] [--warmup 2] [--plans REGEX]
+                                     [--quick] [--auto] [--no-measure] [--json OUT.json] [--write docs/benchmarks.md]
+
+Models and plans: ``bench/_planner_models.py`` (3 small causal LMs of different shapes, 27 plans on 1, 2, 4 and
+8 gloo ranks, fp32 AdamW on a global batch of 8 x 128). ``--plans REGEX`` keeps the plans whose ``model:plan``
+text matches (``--plans 'llama:.*tp'``); ``--quick`` runs 4 llama plans with 1 warm-up and 2 timed steps.
+
+Measured (each world size in one pool of gloo ranks, one thread each, every plan in the same processes one
+after the other): ``fxpar.compile`` of the model built on the **meta device** with ``weights="init"``, so a rank
+process holds only what the plan gives it (the user's model stays storage-free; no full copy to subtract).
+``--warmup`` steps, then ``--steps`` steps each timed between barriers on rank 0: the step time is their median.
+Then one more step under :class:`fxpar.runtime.memtrack.PeakMemory` on every rank: the **peak memory** of a rank
+is the largest sum of live tensor storage bytes at any moment of that step, starting from every storage alive
+in the process at its beginning (this plan's parameters, gradients kept from the previous step, optimizer
+states, DDP buckets / ZeRO shards, the global batch, non-persistent buffers) and adding every storage the
+step's ops make (activations kept for backward, gradients, collective and pipeline buffers, the optimizer's
+temporaries) until it is freed. Outside it: scratch memory inside one aten kernel, gloo's own buffers, the
+Python interpreter and libraries. The table gives the fullest rank's peak, as the prediction does.
+
+Predicted (in this process, no process group): ``fxpar.planner.model_costs.model_costs`` of each model once, then
+``fxpar.planner.price.price_plan(costs, plan, profile, global_batch=8)`` per plan: ``step_time`` and
+``memory["total"]`` (the fullest rank). ``profile``: ``fxpar.cost.profiles.load_profile(--profile)`` (default:
+``$FXPAR_PROFILE``, else ``~/.cache/fxpar/profile.json`` written by ``fxpar calibrate``, else the uncalibrated
+"cpu" one). The planner's first choice per model and world size (``fxpar.planner.search.search`` restricted to
+the measured plans) is set against the measured fastest; ``--auto`` also measures the planner's own choice from
+its whole space for each model and world size with 4 plans or more. Without the planner modules only the measured
+side runs; ``--no-measure`` runs only the predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+
+import _planner_models as M  # bench/_planner_models.py (the script's folder is on sys.path)
+import torch
+import torch.distributed as dist
+from _docs import replace_section
+
+SECTION = "### Planner accuracy: predicted vs measured step time and peak memory"
+
+
+# ---- measured: one plan on every rank of a pool --------------------------------------------------------
+def measure(model: str, plan: str, steps: int, warmup: int, profile_spec: str | None = None) -> dict:
+    """Compile ``plan`` for ``model`` (meta model, weights from the initialiser; pipeline cuts balanced on the
+    profile's rates, as ``fxpar.compile(model, "auto")`` does), run it, time it, track its memory."""
+    import gc
+
+    import fxpar
+    from fxpar.runtime.memtrack import PeakMemory
+    from fxpar.testing.timing import timed
+
+    torch.set_num_threads(1)
+    batch = M.batch(model)
+    t0 = time.perf_counter()
+    from fxpar.cost.profiles import load_profile
+
+    device_model = load_profile(profile_spec).device_model("fp32")
+    compiled = fxpar.compile(M.build_meta(model), plan, example_kwargs=batch, optimizer=M.adamw, weights="init",
+                             device_model=device_model)
+    compile_s = time.perf_counter() - t0
+    step = functools.partial(compiled.step, **batch)
+    losses, times = [], []
+    for _ in range(warmup):
+        losses.append(step().item())
+    for _ in range(steps):
+        dt, loss = timed(step)
+        times.append(dt)
+        losses.append(loss.item())
+    gc.collect()  # what earlier plans left in these processes is gone before the baseline is taken
+    dist.barrier()
+    with PeakMemory() as mem:
+        step()
+    dist.barrier()
+    held = compiled.memory().get("measured", {})
+    del compiled, step
+    gc.collect()
+    return {"times": times, "losses": losses, "compile_s": compile_s, "held": held, **mem.report()}
+
+
+def run_measured(plans: list[tuple[str, str]], steps: int, warmup: int,
+                 profile_spec: str | None = None) -> dict[tuple[str, str], dict]:
+    """Every plan on its world size's pool (pools started one at a time, smallest world first)."""
+    from fxpar.ir.plan import Plan
+    from fxpar.testing.multiproc import RankFailure, RankPool
+
+    out: dict[tuple[str, str], dict] = {}
+    by_world: dict[int, list[tuple[str, str]]] = {}
+    for model, plan in plans:
+        by_world.setdefault(Plan.parse(plan).world_size, []).append((model, plan))
+    for world in sorted(by_world):
+        with RankPool(world, timeout=600, echo_output=False) as pool:
+            for model, plan in by_world[world]:
+                load = os.getloadavg()[0]
+                t = time.perf_counter()
+                try:
+                    ranks = pool.run(measure, model, plan, steps, warmup, profile_spec, timeout=600)
+                except RankFailure as e:
+                    out[(model, plan)] = {"world": world, "error": str(e).splitlines()[0]}
+                    print(f"  {model:6s} {plan:40s} FAILED: {str(e).splitlines()[0]}", flush=True)
+                    continue
+                r = {"world": world, "step_s": statistics.median(ranks[0]["times"]), "times": ranks[0]["times"],
+                     "peak": max(x["peak"] for x in ranks), "peaks": [x["peak"] for x in ranks],
+                     "held": [x["held"] for x in ranks], "start": [x["start"] for x in ranks],
+                     "peak_new": [x["peak_new"] for x in ranks], "loss": ranks[0]["losses"][0],
+                     "compile_s": max(x["compile_s"] for x in ranks), "wall_s": time.perf_counter() - t,
+                     "load": (load, os.getloadavg()[0])}
+                out[(model, plan)] = r
+                print(f"  {model:6s} {plan:40s} {world} ranks: {r['step_s'] * 1e3:7.1f} ms, peak "
+                      f"{r['peak'] / 2**20:7.1f} MiB ({r['wall_s']:.0f} s, load {load:.1f})", flush=True)
+    return out
+
+
+# ---- predicted: the planner's cost model, in this process ---------------------------------------------
+def run_predicted(plans: list[tuple[str, str]], profile_spec: str | None):
+    """(profile, {(model, plan): Estimate or error text}, {(model, world): chosen plan text}); the profile is
+    None (and nothing predicted) where the planner's modules are not there yet."""
+    try:
+        from fxpar.cost.profiles import load_profile
+        from fxpar.planner.model_costs import model_costs
+        from fxpar.planner.price import price_plan
+    except ImportError as e:
+        print(f"predictions skipped: {e}")
+        return None, {}, {}
+    from fxpar.ir.plan import Plan
+
+    profile = load_profile(profile_spec)
+    estimates: dict[tuple[str, str], object] = {}
+    groups: dict[tuple[str, int], list[str]] = {}
+    costs = {}
+    for model, plan in plans:
+        p = Plan.parse(plan)
+        groups.setdefault((model, p.world_size), []).append(plan)
+        try:
+            if model not in costs:
+                tps = sorted({Plan.parse(x).tp for m, x in plans if m == model})
+                costs[model] = model_costs(M.build_meta(model), M.SEQ, tp_degrees=tuple(tps))
+            estimates[(model, plan)] = price_plan(costs[model], p, profile, global_batch=M.BATCH)
+        except Exception as e:  # noqa: BLE001 - one plan the model cannot price is reported, not fatal
+            estimates[(model, plan)] = f"{type(e).__name__}: {e}"
+    choice = {}
+    for (model, world), texts in groups.items():
+        if len(texts) > 1 and model in costs:
+            choice[(model, world)] = _first_choice(costs[model], world, profile, texts, estimates, model)
+    return profile, estimates, choice
+
+
+def plan_text(plan) -> str:
+    """``Plan.parse``-able text of ``plan``'s fields that differ from the defaults."""
+    from dataclasses import fields
+
+    return ",".join(f"{f.name}={getattr(plan, f.name)}" for f in fields(plan)
+                    if f.name not in ("split_points", "tp_plan") and getattr(plan, f.name) != f.default) or "dp=1"
+
+
+def same_plan(a, b) -> bool:
+    """Equal plans, an unset microbatch count read as its default (one per stage)."""
+    from dataclasses import replace
+
+    def norm(p):
+        return replace(p, microbatches=p.microbatches or p.pp * (p.virtual_stages or 1))
+    return norm(a) == norm(b)
+
+
+def auto_plans(plans: list[tuple[str, str]], profile_spec: str | None, least: int = 4) -> list[tuple[str, str]]:
+    """For each model and world size with ``least`` plans or more: the planner's own choice from its whole
+    space (``search`` unrestricted), where it is not among them already."""
+    from fxpar.cost.profiles import load_profile
+    from fxpar.ir.plan import Plan
+    from fxpar.planner.model_costs import model_costs
+    from fxpar.planner.search import search
+
+    profile, out = load_profile(profile_spec), []
+    groups: dict[tuple[str, int], list[Plan]] = {}
+    for model, text in plans:
+        groups.setdefault((model, Plan.parse(text).world_size), []).append(Plan.parse(text))
+    for (model, world), group in groups.items():
+        if len(group) >= least:
+            best = search(model_costs(M.build_meta(model), M.SEQ), world, profile, global_batch=M.BATCH).best
+            if not any(same_plan(best, p) for p in group):
+                out.append((model, plan_text(best)))
+    return out
+
+
+def _first_choice(costs, world: int, profile, texts: list[str], estimates: dict, model: str) -> str | None:
+    """The planner's pick among ``texts``: the search restricted to them, else the fastest priced plan that fits."""
+    from fxpar.ir.plan import Plan
+
+    try:
+        from fxpar.planner.search import search
+
+        best = search(costs, world, profile, global_batch=M.BATCH, plans=[Plan.parse(t) for t in texts]).best
+        return next((t for t in texts if same_plan(Plan.parse(t), best)), plan_text(best))
+    except Exception:  # noqa: BLE001 - the search is not there yet or refuses: rank the prices directly
+        priced = [(estimates[(model, t)].step_time, t) for t in texts
+                  if not isinstance(estimates.get((model, t)), (str, type(None))) and estimates[(model, t)].fits]
+        return min(priced)[1] if priced else None
+
+
+# ---- the report ----------------------------------------------------------------------------------------
+def _err(pred: float | None, meas: float | None) -> float | None:
+    return None if pred is None or not meas else (pred - meas) / meas * 100
+
+
+def _f(x, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _fullest(m: dict, key: str):
+    """``m[key]`` of the rank with the highest peak."""
+    if "peaks" not in m:
+        return None
+    return m[key][max(range(len(m["peaks"])), key=m["peaks"].__getitem__)]
+
+
+def rows(plans, measured, estimates) -> list[dict]:
+    out = []
+    for model, plan in plans:
+        m, e = measured.get((model, plan), {}), estimates.get((model, plan))
+        est = e if e is not None and not isinstance(e, str) else None
+        pt = est.step_time if est else None
+        pm = est.memory["total"] if est else None
+        out.append({"model": model, "plan": plan, "world": m.get("world"), "pred_s": pt, "meas_s": m.get("step_s"),
+                    "time_err": _err(pt, m.get("step_s")), "pred_mb": pm / 2**20 if pm else None,
+                    "meas_mb": m["peak"] / 2**20 if "peak" in m else None, "mem_err": _err(pm, m.get("peak")),
+                    "loss": m.get("loss"), "note": m.get("error") or (e if isinstance(e, str) else ""),
+                    # for the JSON: the parts on both sides (measured: the fullest rank's)
+                    "pred_memory": est.memory if est else None, "pred_parts": est.parts if est else None,
+                    "meas_held": _fullest(m, "held"), "meas_peak_new": _fullest(m, "peak_new")})
+    return out
+
+
+def choice_rows(choice: dict, table: list[dict]) -> list[str]:
+    lines = []
+    for (model, world), pick in sorted(choice.items()):
+        group = [r for r in table if r["model"] == model and r["world"] == world and r["meas_s"]]
+        if not group or pick is None:
+            continue
+        fastest = min(group, key=lambda r: r["meas_s"])
+        mine = next((r for r in group if r["plan"] == pick), None)
+        ratio = mine["meas_s"] / fastest["meas_s"] if mine else None
+        lines.append(f"| {model} | {world} | {len(group)} | `{pick}` | `{fastest['plan']}` | {_f(ratio, '.3f')} |")
+    return lines
+
+
+def markdown(table: list[dict], choice: dict, profile, a, seconds: float) -> str:
+    te = [abs(r["time_err"]) for r in table if r["time_err"] is not None]
+    me = [abs(r["mem_err"]) for r in table if r["mem_err"] is not None]
+    losses = {}
+    for r in table:
+        if r["loss"] is not None:
+            losses.setdefault(r["model"], []).append(r["loss"])
+    spread = max((max(v) - min(v) for v in losses.values()), default=0.0)
+    src = f"profile `{profile.name}` ({profile.source or 'no source given'})" if profile else "no profile (predictions skipped)"
+    cmd = "bench/planner_accuracy.py" + (" --quick" * a.quick) + (" --auto" * a.auto) + \
+        (f" --plans '{a.plans}'" if a.plans else "") + (f" --profile {a.profile}" if a.profile else "")
+    lines = [
+        f"\n{SECTION}\n",
+        f"{datetime.date.today().isoformat()}, {platform.machine()} {os.cpu_count()} threads, torch {torch.__version__}, "
+        f"`{cmd}` ({seconds / 60:.1f} min); {src}. Models built on the meta device, weights from the initialiser on "
+        f"each rank (no full copy of the model in the rank processes); fp32 AdamW, global batch {M.BATCH} x {M.SEQ}; "
+        f"gloo ranks with one thread each on {os.cpu_count()} cores; {a.warmup} warm-up then the median of {a.steps} "
+        "timed steps (barrier to barrier, rank 0). Peak memory: the fullest rank's largest sum of live tensor storage "
+        "bytes during one more step (`fxpar.runtime.memtrack.PeakMemory`: parameters, gradients, optimizer states, "
+        "buckets and shards alive at its start, plus everything the step's ops make until freed). Error: "
+        "(predicted - measured) / measured.\n",
+        "| model | plan | ranks | predicted s | measured s | error % | predicted MiB | measured MiB | error % |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        lines.append(f"| {r['model']} | `{r['plan']}` | {r['world'] or 'n/a'} | {_f(r['pred_s'], '.3f')} | "
+                     f"{_f(r['meas_s'], '.3f')} | {_f(r['time_err'], '+.1f')} | {_f(r['pred_mb'], '.1f')} | "
+                     f"{_f(r['meas_mb'], '.1f')} | {_f(r['mem_err'], '+.1f')} |" + (f" {r['note']}" if r["note"] else ""))
+    lines += ["", f"Step time: median absolute error {_f(statistics.median(te) if te else None, '.1f')}%, worst "
+              f"{_f(max(te) if te else None, '.1f')}% over {len(te)} plans. Peak memory: median "
+              f"{_f(statistics.median(me) if me else None, '.1f')}%, worst {_f(max(me) if me else None, '.1f')}% over "
+              f"{len(me)} plans. First-step losses of one model's plans agree within {spread:.1e} (the same model, "
+              "weights and batch under every plan).", ""]
+    by_world = {}
+    for r in table:
+        if r["time_err"] is not None:
+            by_world.setdefault(r["world"], ([], []))[0].append(abs(r["time_err"]))
+            if r["mem_err"] is not None:
+                by_world[r["world"]][1].append(abs(r["mem_err"]))
+    if by_world:
+        lines += ["Median absolute errors by ranks (time / memory): " + "; ".join(
+            f"{w}: {statistics.median(t):.1f}% / {_f(statistics.median(m) if m else None, '.1f')}% ({len(t)} plans)"
+            for w, (t, m) in sorted(by_world.items())) + ".", ""]
+    picks = choice_rows(choice, table)
+    if picks:
+        good = sum(1 for line in picks if (x := line.rsplit("|", 2)[1].strip()) != "n/a" and float(x) <= 1.05)
+        lines += ["The planner's first choice among the measured plans of one model and world size, against the "
+                  "measured fastest (ratio: the chosen plan's measured step time over the fastest's):", "",
+                  "| model | ranks | plans | planner's choice | measured fastest | measured ratio |",
+                  "|---|---|---|---|---|---|", *picks, "",
+                  f"The choice is the measured fastest or within 5% of it in {good} of {len(picks)} groups.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default=None, help="profile name or JSON path (default: load_profile(None))")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per plan (default 5; --quick 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per plan (default 2; --quick 1)")
+    ap.add_argument("--plans", default=None, help="regex on 'model:plan' choosing which plans run")
+    ap.add_argument("--quick", action="store_true", help="4 llama plans on 1-2 ranks, 1 warm-up, 2 timed steps")
+    ap.add_argument("--auto", action="store_true", help="also measure the planner's own choice from its whole "
+                    "space for every model and world size with 4 plans or more")
+    ap.add_argument("--no-measure", action="store_true", help="only the predictions (and the planner's choices)")
+    ap.add_argument("--json", default=None, help="write every number here")
+    ap.add_argument("--write", default=None, help="replace this benchmark's section of this markdown file")
+    a = ap.parse_args()
+    a.steps = a.steps if a.steps is not None else (2 if a.quick else 5)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
+    if a.steps < 1 or a.warmup < 1:
+        ap.error("--steps and --warmup must be at least 1 (the first step builds what later steps reuse)")
+    plans = M.QUICK if a.quick else M.PLANS
+    if a.plans:
+        plans = [(m, p) for m, p in plans if re.search(a.plans, f"{m}:{p}")]
+        if not plans:
+            ap.error(f"--plans {a.plans!r} matches none of {[f'{m}:{p}' for m, p in M.PLANS]}")
+    t0 = time.perf_counter()
+    if a.auto:
+        extra = auto_plans(plans, a.profile)
+        print(f"the planner's own choices added: {extra}", flush=True)
+        plans = plans + extra
+    profile, estimates, choice = run_predicted(plans, a.profile)
+    print(f"predicted {len(estimates)} plans in {time.perf_counter() - t0:.1f} s", flush=True)
+    measured = {} if a.no_measure else run_measured(plans, a.steps, a.warmup, a.profile)
+    table = rows(plans, measured, estimates)
+    text = markdown(table, choice, profile, a, time.perf_counter() - t0)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": table, "measured": {f"{m}:{p}": v for (m, p), v in measured.items()},
+                       "choice": {f"{m}:{w}": c for (m, w), c in choice.items()}}, f, indent=1, default=str)
+    if a.write:
+        replace_section(a.write, SECTION, text)
+        print(f"wrote its section of {a.write}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

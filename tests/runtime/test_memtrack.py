@@ -1,0 +1,110 @@
+"""``PeakMemory``: the peak of live tensor storage bytes in a region, checked against bytes counted by hand
+from the shapes of a small forward and backward (what autograd keeps, what each op makes, what is freed);
+views counted once, storages freed inside the region released, the baseline and exclusions honoured."""
+
+from __future__ import annotations
+
+import torch
+
+from fxpar.runtime.memtrack import PeakMemory, live_tensors, storage_bytes
+
+F = 4  # bytes of a float32
+
+
+def test_matmul_relu_backward_by_hand():
+    w = torch.randn(256, 128, requires_grad=True)
+    x = torch.randn(64, 256)
+    with PeakMemory(baseline=[w, x]) as mem:
+        y = x @ w  # 64 x 128, alive while the name holds it
+        z = torch.relu(y)  # 64 x 128, saved by relu for backward
+        loss = z.sum()  # a scalar
+        loss.backward()  # ones (a scalar expanded), relu's gradient 64 x 128, then w.grad 256 x 128
+        del y, z, loss
+    held = (256 * 128 + 64 * 256) * F
+    assert mem.start == held
+    act = 64 * 128 * F
+    # at w.grad's making: y, z, the gradient of z's relu, the loss and its seed gradient are all alive
+    assert mem.peak == held + 3 * act + 256 * 128 * F + 2 * F
+    assert mem.peak_held == held and mem.peak_new == mem.peak - held
+    assert mem.end == held + w.grad.nbytes  # everything else freed; the gradient stays
+
+
+def test_views_counted_once_and_frees_released():
+    keep = torch.zeros(10)
+    with PeakMemory(baseline=[keep]) as mem:
+        a = torch.empty(1000)
+        views = [a.view(10, 100), a[3:], a.unsqueeze(0).t()]
+        del a, views  # freed: 1000 floats back
+        b = torch.empty(300)
+        b.resize_(700)  # grown in place: counted at its new size
+    assert mem.start == 10 * F
+    assert mem.peak == (10 + 1000) * F
+    assert mem.end == (10 + 700) * F
+    del b
+
+
+def test_default_baseline_and_exclude():
+    big = torch.empty(5000)
+    other = torch.empty(100)
+    rest = storage_bytes(t for t in live_tensors() if t is not big)  # everything alive but big
+    with PeakMemory(exclude=[big]) as mem:
+        big.add_(1.0)  # excluded: ignored even when an op writes it
+        c = other * 2
+    assert mem.peak - mem.start == c.nbytes
+    assert mem.start == rest
+    with PeakMemory(baseline=[]) as mem:  # nothing held: tensors alive on entry never count
+        d = other + big.sum()
+    assert (mem.start, mem.peak) == (0, d.nbytes + F)  # the sum's scalar and d
+
+
+def test_adamw_step_states():
+    """An optimizer step: AdamW makes two states per parameter entry (and a scalar step count)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32, bias=False)
+    opt = torch.optim.AdamW(lin.parameters(), foreach=False)
+    lin(torch.randn(8, 64)).sum().backward()
+    n = lin.weight.numel() * F
+    with PeakMemory(baseline=[lin.weight, lin.weight.grad]) as mem:
+        opt.step()
+    assert mem.start == 2 * n
+    assert mem.end == 4 * n + F  # exp_avg, exp_avg_sq, and the step count
+    assert mem.peak >= mem.end
+
+
+def _profiled_peak(fn) -> int:
+    """The most bytes allocated at once while ``fn`` runs, above what was allocated before, from torch
+    profiler's memory timeline (allocator events, an independent record of every storage made and freed)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action, MemoryProfileTimeline
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    current = peak = 0
+    for t, action, _, size in sorted(MemoryProfileTimeline(prof._memory_profile()).timeline, key=lambda x: x[0]):
+        if t >= 0 and action in (Action.CREATE, Action.DESTROY):
+            current += size if action == Action.CREATE else -size
+            peak = max(peak, current)
+    return peak
+
+
+def test_training_step_matches_profiler():
+    """A Llama's training step (forward, loss, backward, AdamW): the peak above the start is the profiler's
+    (no tensor alive on entry is freed inside: gradients start unset), up to the scalars torch wraps Python
+    numbers in for one op, which only the allocator sees (a few bytes)."""
+    from fxpar import zoo
+
+    model = zoo.build("llama", seed=0, num_hidden_layers=1)
+    batch = zoo.example_inputs("llama", model, batch=2, seq=16)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step():
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # the optimizer states exist from here on
+    with PeakMemory() as mem:
+        step()
+    assert mem.end == mem.start
+    profiled = _profiled_peak(step)
+    assert profiled > 0 and abs(mem.peak - mem.start - profiled) <= 64
