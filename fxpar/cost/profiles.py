@@ -247,7 +247,8 @@ def _host_memory() -> int:
 def cpu_default(ranks_per_node: int | None = None) -> DeviceProfile:
     """A rough profile of an uncalibrated CPU host, one core per rank (run ``fxpar calibrate`` for real
     figures): ~50 GFLOP/s fp32 per core, ~10 GB/s memory, gloo over loopback ~2 GB/s with ~50 us per
-    step, ~10 us eager dispatch per op; ranks beyond the cores share them; 80% of RAM split over the ranks."""
+    step, ~10 us eager dispatch per op; ranks beyond the cores share them, and share them with gloo's
+    communication (no overlap); 80% of RAM split over the ranks."""
     cores = os.cpu_count() or 1
     n = ranks_per_node or max(8, cores)
     loop = Link(2e9, 50e-6)
@@ -255,6 +256,7 @@ def cpu_default(ranks_per_node: int | None = None) -> DeviceProfile:
         name="cpu", flops={"fp32": 50e9}, mem_bw=10e9, memory=int(0.8 * _host_memory() / n), ranks_per_node=n,
         intra=loop, inter=loop, op_overhead=10e-6,
         compute_share={k: min(1.0, cores / k) for k in (1, 2, 4, 8, 16, 32, 64) if k <= max(n, 1)},
+        comm_overlaps=False,  # gloo reduces and copies on the cores the ranks compute on
         source=f"rough default for an uncalibrated host ({cores} cores); run `fxpar calibrate`")
 
 
