@@ -106,7 +106,7 @@ def compile_rule(model: torch.nn.Module | None):
     their own, so tied weights on two pipeline ranks would drift apart: ``feasibility.check_zero3_ties``), and
     selective recompute under a schedule that splits the backward (the recompute pass refuses it)."""
     from fxpar.ir.schedule import normalize_schedule
-    from fxpar.passes.recompute import _SPLIT_BACKWARD
+    from fxpar.passes.recompute import SPLIT_BACKWARD
 
     tied = tied_parameters(model)
     names = " = ".join(tied[0]) if tied else ""
@@ -114,7 +114,7 @@ def compile_rule(model: torch.nn.Module | None):
     def allow(plan: Plan) -> str | None:
         if tied and plan.zero == 3 and plan.pp > 1:
             return f"ZeRO-3 with pp={plan.pp} and tied weights ({names}) that pipeline ranks may share"
-        if plan.recompute == "selective" and normalize_schedule(plan.schedule) in _SPLIT_BACKWARD:
+        if plan.recompute == "selective" and normalize_schedule(plan.schedule) in SPLIT_BACKWARD:
             return f"recompute='selective' with {plan.schedule}, whose backward runs in two passes"
         return None
 

@@ -66,7 +66,7 @@ _INDEX = re.compile(r"^\d+$")
 _MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
             torch.ops.aten.convolution, torch.ops.aten._scaled_mm}
 _NOT_SAVED_COLLECTIVES = ("gather_params",)  # ZeRO-3 regathers instead of holding the bucket
-_SPLIT_BACKWARD = ("zbv", "interleaved_zb")  # schedules whose backward is two autograd passes (I, then W)
+SPLIT_BACKWARD = ("zbv", "interleaved_zb")  # schedules whose backward is two autograd passes (I, then W)
 
 
 def saved_op(func) -> bool:
@@ -219,7 +219,7 @@ def recompute(stage: StageSpec, ctx) -> StageSpec:
     mode = ctx.plan.recompute
     if mode not in ("layer", "selective"):
         return stage
-    if mode == "selective" and normalize_schedule(ctx.plan.schedule) in _SPLIT_BACKWARD:
+    if mode == "selective" and normalize_schedule(ctx.plan.schedule) in SPLIT_BACKWARD:
         raise PlanError(f"recompute='selective' with schedule {ctx.plan.schedule!r}: zero-bubble schedules run "
                         "each stage's backward in two passes (input gradients, then weight gradients), and "
                         "torch's selective checkpoint allows one backward through a region; use "
