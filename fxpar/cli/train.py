@@ -26,7 +26,7 @@ def run(args) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("model", help="a save_pretrained directory, a zoo name (see `fxpar zoo`) or an HF config.json")
-    p.add_argument("--plan", default="dp=1", help="degrees and options, e.g. dp=2,pp=2,tp=2,zero=1,microbatches=4")
+    p.add_argument("--plan", default="dp=1", help="degrees and options, e.g. dp=2,pp=2,tp=2,zero=1,microbatches=4, or auto (fxpar.autoplan chooses)")
     p.add_argument("--plan-file", default=None, help="a JSON or TOML plan (never pickle)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument("--batch", type=int, default=8,

@@ -59,10 +59,11 @@ class FineTune:
         if a.grad_accum < 1:
             raise PlanError(f"--grad-accum {a.grad_accum}: give 1 or more batches per optimizer step")
         optim.check_schedule(a.lr_scheduler, a.warmup, a.steps)
-        plan = fxpar.Plan.from_file(a.plan_file) if a.plan_file else fxpar.Plan.parse(a.plan)
-        if a.bf16:
+        auto = not a.plan_file and a.plan.strip().lower() == "auto"  # chosen below, once the batch is known
+        plan = None if auto else fxpar.Plan.from_file(a.plan_file) if a.plan_file else fxpar.Plan.parse(a.plan)
+        if plan is not None and a.bf16:
             plan = dataclasses.replace(plan, mixed_precision="bf16")
-        if self.accum > 1:  # accumulation: more microbatches of the same size (see fxpar.train.streams)
+        if plan is not None and self.accum > 1:  # accumulation: more microbatches of the same size (fxpar.train.streams)
             plan = dataclasses.replace(plan, microbatches=microbatches(plan) * self.accum)
         self.plan = plan
         directory = model_directory(a.model)
@@ -100,6 +101,12 @@ class FineTune:
                 self.stream.next_batch()
         self.data_start = self.stream.state_dict()  # where this run's data begins (saved, for a resumed one)
         self.batch = self._with_inputs(streams.step_batch(self.stream, self.accum))
+        if auto:  # the planner prices the whole step's batch (its microbatches cover the accumulation)
+            from fxpar.auto import plan_for_compile
+
+            plan = plan_for_compile(model, (), self.batch, world=self.world, device=self.device,
+                                    optimizer=optim.adamw_factory(a.lr, a.weight_decay), frontend="auto").best
+            self.plan = plan = dataclasses.replace(plan, mixed_precision="bf16") if a.bf16 else plan
         self.compiled = fxpar.compile(model, plan, example_kwargs=self.batch, device=self.device, weights=weights,
                                       optimizer=optim.adamw_factory(a.lr, a.weight_decay),
                                       param_groups=optim.param_groups_rule(a.weight_decay),

@@ -128,6 +128,13 @@ def test_train_under_torchrun_saves_and_resumes_under_another_plan(tmp_path):
     resumed = [float(x) for x in (tmp_path / "second.txt").read_text().split()]
     assert len(uninterrupted) == 4 and len(resumed) == 2
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[2:])) < 1e-5, (resumed, uninterrupted)
+    # --plan auto: the planner chooses for the 2 ranks and the step's batch; the same losses as pp=2
+    auto = _run(torchrun + ["--plan", "auto", "--steps", "2", "--losses-out", str(tmp_path / "auto.txt")])
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    chosen = re.search(r"plan: (Plan\(.*?\))", auto.stdout)
+    assert chosen and "step 2/2" in auto.stdout, auto.stdout[-2000:]
+    planned = [float(x) for x in (tmp_path / "auto.txt").read_text().split()]
+    assert max(abs(a - b) for a, b in zip(planned, uninterrupted[:2])) < 1e-5, (chosen.group(1), planned, uninterrupted)
 
 
 def test_plan_auto_on_the_70b_config_for_1024_h100s():
