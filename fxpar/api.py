@@ -20,10 +20,9 @@ from fxpar.cost.device import H100, DeviceModel
 from fxpar.cost.flops import annotate_costs
 from fxpar.cost.partition import balanced_cuts, resolve_split_points
 from fxpar.cost.predict import annotate_stages, memory_per_rank
-from fxpar.frontend.export import capture_export
-from fxpar.frontend.lower import program_from_exported
+from fxpar.frontend.capture import capture_program
 from fxpar.ir.batch import batch_size, split_batch
-from fxpar.ir.errors import PlanError, TraceError
+from fxpar.ir.errors import PlanError
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.optim import ParamGroups
 from fxpar.ir.plan import Plan
@@ -40,20 +39,6 @@ from fxpar.runtime.groups import mesh_groups
 from fxpar.runtime.model import CompiledModel
 from fxpar.weights import WeightSource
 
-FRONTENDS = ("auto", "export", "hf_fx")
-
-
-def _capture(model, example_args, example_kwargs, frontend: str, dynamic, stack_traces: bool):
-    if frontend == "export":
-        return capture_export(model, example_args, example_kwargs, dynamic=dynamic, stack_traces=stack_traces)
-    from fxpar.frontend import hf_fx
-
-    if not hf_fx.available():
-        raise TraceError("the hf_fx frontend is not available", frontend="hf_fx",
-                         hint=hf_fx.unavailable_reason())
-    return hf_fx.capture_hf_fx(model, example_args, example_kwargs,
-                               dynamic_shapes=None if not dynamic else dynamic)
-
 
 def trace(model: torch.nn.Module, example_args: tuple = (), example_kwargs: dict | None = None, *,
           frontend: str = "auto", dynamic: bool | dict = False, stack_traces: bool = False) -> Program:
@@ -68,25 +53,8 @@ def trace(model: torch.nn.Module, example_args: tuple = (), example_kwargs: dict
     The returned :class:`Program` is called like the model and returns what the model returns; every
     node carries its FakeTensor (``val``), owning module (``fxpar.module``) and cost (``fxpar.cost``).
     """
-    if frontend not in FRONTENDS:
-        raise ValueError(f"frontend={frontend!r}; choose one of {FRONTENDS}")
-    example_args = tuple(example_args)
-    example_kwargs = dict(example_kwargs or {})
-    if frontend == "auto":
-        try:
-            ep, used = _capture(model, example_args, example_kwargs, "export", dynamic, stack_traces), "export"
-        except TraceError as export_error:
-            from fxpar.frontend import hf_fx
-
-            if not hf_fx.available():
-                raise
-            try:
-                ep, used = _capture(model, example_args, example_kwargs, "hf_fx", dynamic, stack_traces), "hf_fx"
-            except TraceError:
-                raise export_error from None
-    else:
-        ep, used = _capture(model, example_args, example_kwargs, frontend, dynamic, stack_traces), frontend
-    program = program_from_exported(ep, model, frontend=used)
+    program = capture_program(model, example_args, example_kwargs, frontend=frontend, dynamic=dynamic,
+                              stack_traces=stack_traces)
     annotate_costs(program)
     return program
 

@@ -29,10 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from fxpar.cost.flops import annotate_costs
-from fxpar.frontend.export import capture_export
+from fxpar.frontend.capture import capture_program
 from fxpar.frontend.hf import longest_module_list
-from fxpar.frontend.lower import program_from_exported
-from fxpar.ir.errors import TraceError
 from fxpar.ir.program import Program
 
 _SCALARS = (int, float, str, bool, type(None))
@@ -175,26 +173,9 @@ def trace_copy(model: torch.nn.Module, seq: int, frontend: str) -> Program:
     kwargs = {"input_ids": ids, "labels": ids}
     if "use_cache" in inspect.signature(model.forward).parameters:
         kwargs["use_cache"] = False
-    tries = ["export", "hf_fx"] if frontend == "auto" else [frontend]
-    first = None
-    for used in tries:
-        try:
-            if used == "export":
-                ep = capture_export(model, (), kwargs)
-            else:
-                from fxpar.frontend import hf_fx
-
-                if not hf_fx.available():
-                    raise TraceError("the hf_fx frontend is not available", frontend="hf_fx",
-                                     hint=hf_fx.unavailable_reason())
-                ep = hf_fx.capture_hf_fx(model, (), kwargs)
-        except TraceError as e:
-            first = first or e
-            continue
-        program = program_from_exported(ep, model, frontend=used)
-        annotate_costs(program)
-        return program
-    raise first
+    program = capture_program(model, (), kwargs, frontend=frontend)
+    annotate_costs(program)
+    return program
 
 
 def full_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,54 @@
+"""One entry to the frontends: capture a model with the frontend asked for, or ``"auto"`` (torch.export,
+then transformers' HFTracer where export fails and the installed transformers has it), lowered into
+fxpar's IR. ``fxpar.trace`` and the planner's trace of a shortened copy both call :func:`capture_program`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxpar.frontend.export import capture_export
+from fxpar.frontend.lower import program_from_exported
+from fxpar.ir.errors import TraceError
+from fxpar.ir.program import Program
+
+FRONTENDS = ("auto", "export", "hf_fx")
+
+__all__ = ["FRONTENDS", "capture_program"]
+
+
+def _capture(model, example_args, example_kwargs, frontend: str, dynamic, stack_traces: bool):
+    if frontend == "export":
+        return capture_export(model, example_args, example_kwargs, dynamic=dynamic, stack_traces=stack_traces)
+    from fxpar.frontend import hf_fx
+
+    if not hf_fx.available():
+        raise TraceError("the hf_fx frontend is not available", frontend="hf_fx",
+                         hint=hf_fx.unavailable_reason())
+    return hf_fx.capture_hf_fx(model, example_args, example_kwargs,
+                               dynamic_shapes=None if not dynamic else dynamic)
+
+
+def capture_program(model: torch.nn.Module, example_args: tuple = (), example_kwargs: dict | None = None, *,
+                    frontend: str = "auto", dynamic: bool | dict = False, stack_traces: bool = False) -> Program:
+    """The model captured by ``frontend`` and lowered (no costs yet: ``fxpar.cost.flops.annotate_costs``).
+    Under ``"auto"`` an export failure is re-raised when HFTracer is missing or fails too."""
+    if frontend not in FRONTENDS:
+        raise ValueError(f"frontend={frontend!r}; choose one of {FRONTENDS}")
+    example_args = tuple(example_args)
+    example_kwargs = dict(example_kwargs or {})
+    if frontend == "auto":
+        try:
+            ep, used = _capture(model, example_args, example_kwargs, "export", dynamic, stack_traces), "export"
+        except TraceError as export_error:
+            from fxpar.frontend import hf_fx
+
+            if not hf_fx.available():
+                raise
+            try:
+                ep, used = _capture(model, example_args, example_kwargs, "hf_fx", dynamic, stack_traces), "hf_fx"
+            except TraceError:
+                raise export_error from None
+    else:
+        ep, used = _capture(model, example_args, example_kwargs, frontend, dynamic, stack_traces), frontend
+    return program_from_exported(ep, model, frontend=used)
