@@ -4,8 +4,9 @@ MODEL is a ``save_pretrained`` directory (config.json, model.safetensors or shar
 index, and its tokenizer), a zoo name or an HF config.json. Data: ``--data FILE`` (plain text, JSON
 lines with a text field, chat JSON lines with ``messages``, parquet; packed into ``--seq`` windows or,
 with ``--no-pack``, padded), ``synthetic`` random tokens, or for models without a tokenizer a text file
-read as bytes. Optimisation as HF Trainer: AdamW with weight-decay groups, ``--lr-scheduler`` with
-``--warmup``, ``--max-grad-norm``, ``--grad-accum``, ``--bf16``. ``--eval-data`` / ``--eval-every``:
+read as bytes. Files over 64 MiB are streamed (``--streaming auto|on|off``, ``--shuffle-buffer N``): each
+rank reads and tokenizes only its share. Optimisation as HF Trainer: AdamW with weight-decay groups,
+``--lr-scheduler`` with ``--warmup``, ``--max-grad-norm``, ``--grad-accum``, ``--bf16``. ``--eval-data`` / ``--eval-every``:
 evaluation loss and perplexity. ``--metrics-out`` (JSON lines), ``--tensorboard`` (when installed).
 ``--save DIR --save-every K`` writes checkpoints, ``--resume DIR`` continues from the last one (same
 losses as an uninterrupted run, under any plan), ``--export DIR`` writes a Hugging Face model and its
@@ -50,6 +51,11 @@ def add_arguments(p) -> None:
     p.add_argument("--messages-field", default="messages", help="the conversation field of chat rows")
     p.add_argument("--no-pack", action="store_true",
                    help="one document per row, padded (default: documents packed into --seq windows)")
+    p.add_argument("--streaming", default="auto", choices=("auto", "on", "off"),
+                   help="read --data / --eval-data as streams, each rank reading and tokenizing only its share "
+                        "(auto: text / JSON-lines files over 64 MiB; off: every rank reads the file whole)")
+    p.add_argument("--shuffle-buffer", type=int, default=1000,
+                   help="streamed data: documents in the seeded shuffle buffer (0: file order)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
     p.add_argument("--eval-data", default=None, help="evaluation file (the same formats as --data)")
     p.add_argument("--eval-every", type=int, default=-1, help="evaluate every K steps (-1: at the start and end)")

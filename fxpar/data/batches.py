@@ -80,9 +80,12 @@ class Batches:
         self._order = None
 
 
-def eval_batches(ds, batch: int) -> list[dict]:
+def eval_batches(ds, batch: int):
     """Every sample of ``ds`` exactly once, in order, ``batch`` at a time; the last batch is filled up with
-    :meth:`TokenDataset.filler` rows (labels -100), so its shape is ``(batch, seq)`` too."""
+    :meth:`TokenDataset.filler` rows (labels -100), so its shape is ``(batch, seq)`` too. A streamed dataset
+    gives its own (:meth:`fxpar.data.StreamedDataset.eval_batches`, a generator of the same shape)."""
+    if hasattr(ds, "eval_batches"):
+        return ds.eval_batches(batch)
     if batch < 1:
         raise PlanError(f"eval batch {batch} must be at least 1")
     out = []

@@ -27,6 +27,35 @@ from fxpar.data.spec import DataSpec, read_documents
 from fxpar.ir.errors import PlanError
 
 
+def check_model(spec: DataSpec, tokenizer, max_positions: int | None) -> int:
+    """What the model and tokenizer demand of ``spec`` (``seq`` within the model's maximum, an EOS to
+    separate documents); the pad id (the EOS where the tokenizer has no pad token)."""
+    if max_positions is not None and spec.seq > max_positions:
+        raise PlanError(f"data {spec.path}: seq={spec.seq} is longer than the model's max_position_embeddings="
+                        f"{max_positions}", values={"seq": spec.seq, "max_position_embeddings": max_positions},
+                        fix=f"use --seq {max_positions} or less")
+    if tokenizer.eos_token_id is None:
+        raise PlanError(f"data {spec.path}: the tokenizer has no eos_token, which separates documents",
+                        fix="set eos_token in the model directory's tokenizer_config.json")
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def filler_rows(keys, seq: int, pad_id: int, rows: int) -> dict:
+    """``rows`` samples that count for nothing: pad ids, labels -100, attention 0 (where the data is
+    padded), position ids 0..seq-1 (where it is packed with them)."""
+    out = {}
+    for k in keys:
+        if k == "input_ids":
+            out[k] = torch.full((rows, seq), pad_id, dtype=torch.long)
+        elif k == "labels":
+            out[k] = torch.full((rows, seq), IGNORE, dtype=torch.long)
+        elif k == "attention_mask":
+            out[k] = torch.zeros((rows, seq), dtype=torch.long)
+        else:
+            out[k] = torch.arange(seq).expand(rows, seq).clone()
+    return out
+
+
 class TokenDataset:
     """``len(ds)`` samples; ``ds[i]`` a dict of 1-D LongTensors of length ``seq``: ``input_ids``,
     ``labels`` and ``position_ids`` (packing with ``position_ids=True``) or ``attention_mask`` (padding).
@@ -39,14 +68,7 @@ class TokenDataset:
     def __init__(self, spec: DataSpec, tokenizer, *, max_positions: int | None = None, position_ids: bool = True):
         self.spec = spec
         self.seq = seq = spec.seq
-        if max_positions is not None and seq > max_positions:
-            raise PlanError(f"data {spec.path}: seq={seq} is longer than the model's max_position_embeddings="
-                            f"{max_positions}", values={"seq": seq, "max_position_embeddings": max_positions},
-                            fix=f"use --seq {max_positions} or less")
-        if tokenizer.eos_token_id is None:
-            raise PlanError(f"data {spec.path}: the tokenizer has no eos_token, which separates documents",
-                            fix="set eos_token in the model directory's tokenizer_config.json")
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = check_model(spec, tokenizer, max_positions)
         self.kind, docs = read_documents(spec)
         encoded = encode_chat(tokenizer, docs, spec.path) if self.kind == "chat" else encode_text(tokenizer, docs)
         self.documents = len(encoded)
@@ -112,19 +134,8 @@ class TokenDataset:
         return {k: v[idx] for k, v in self._data.items()}
 
     def filler(self, rows: int) -> dict:
-        """``rows`` samples that count for nothing: pad ids, labels -100, attention 0 (where the dataset
-        pads), position ids 0..seq-1 (where it packs with them)."""
-        out = {}
-        for k in self.keys:
-            if k == "input_ids":
-                out[k] = torch.full((rows, self.seq), self.pad_id, dtype=torch.long)
-            elif k == "labels":
-                out[k] = torch.full((rows, self.seq), IGNORE, dtype=torch.long)
-            elif k == "attention_mask":
-                out[k] = torch.zeros((rows, self.seq), dtype=torch.long)
-            else:
-                out[k] = torch.arange(self.seq).expand(rows, self.seq).clone()
-        return out
+        """``rows`` samples that count for nothing (:func:`filler_rows`)."""
+        return filler_rows(self.keys, self.seq, self.pad_id, rows)
 
     def __repr__(self) -> str:
         how = "packed" if self.spec.pack else "padded"

@@ -38,8 +38,9 @@ def _template_text(template) -> str:
     return template if isinstance(template, str) else " ".join(str(v) for v in dict(template).values())
 
 
-def encode_chat(tok, conversations: list[list[dict]], where) -> list[tuple[list[int], list[int]]]:
-    """``(input_ids, labels)`` per conversation; labels -100 except on the assistant's tokens."""
+def encode_chat(tok, conversations: list[list[dict]], where, rows: list | None = None) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, labels)`` per conversation; labels -100 except on the assistant's tokens. ``rows``: how
+    an error names each conversation (default its 1-based row number; a streamed reader gives byte offsets)."""
     if not getattr(tok, "chat_template", None):
         raise PlanError(f"data {where}: the file is chat data (messages) but the tokenizer has no chat_template",
                         fix="use a tokenizer with a chat template (tokenizer.chat_template = ..., save_pretrained), "
@@ -47,7 +48,7 @@ def encode_chat(tok, conversations: list[list[dict]], where) -> list[tuple[list[
     markers = bool(GENERATION_TAG.search(_template_text(tok.chat_template)))
     eos = tok.eos_token_id
     out = []
-    for row, messages in enumerate(conversations, 1):
+    for row, messages in zip(rows or range(1, len(conversations) + 1), conversations):
         mask = None
         if markers:
             enc = _apply(tok, messages, where, row, return_assistant_tokens_mask=True)
@@ -68,11 +69,16 @@ def _speaks(messages: list[dict]) -> bool:
     return any(m["role"] == "assistant" and m.get("content") for m in messages)
 
 
+def row_label(row) -> str:
+    """How an error names a row: ``row N (1-based)`` for a number, else the given words."""
+    return f"row {row} (1-based)" if isinstance(row, int) else str(row)
+
+
 def _apply(tok, messages, where, row, **kwargs):
     try:
         return tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
     except Exception as e:  # the template itself raised (e.g. roles that must alternate)
-        raise PlanError(f"data {where}: row {row} (1-based): the chat template failed on it: {type(e).__name__}: {e}",
+        raise PlanError(f"data {where}: {row_label(row)}: the chat template failed on it: {type(e).__name__}: {e}",
                         fix="fix the conversation (roles, order) or the tokenizer's chat template") from e
 
 
@@ -87,7 +93,7 @@ def prefix_mask(tok, messages: list[dict], where, row: int = 0) -> tuple[list[in
         before = list(_apply(tok, messages[:i], where, row, add_generation_prompt=True)["input_ids"])
         upto = list(_apply(tok, messages[:i + 1], where, row)["input_ids"])
         if upto[:len(before)] != before or ids[:len(upto)] != upto:
-            raise PlanError(f"data {where}: row {row} (1-based): the chat template renders message {i} (assistant) "
+            raise PlanError(f"data {where}: {row_label(row)}: the chat template renders message {i} (assistant) "
                             "differently once the conversation goes on, so its tokens cannot be found by prefixes",
                             fix="mark the assistant turns of the chat template with {% generation %} ... "
                                 "{% endgeneration %} (transformers' return_assistant_tokens_mask)")

@@ -19,6 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from fxpar.data.encode import row_label
 from fxpar.ir.errors import PlanError
 
 FORMATS = ("auto", "text", "json", "chat", "parquet")
@@ -92,10 +93,10 @@ def load_rows(spec: DataSpec):
             datasets.enable_progress_bars()
 
 
-def _missing(spec: DataSpec, row: int, name: str, fields, flag: str, kind: str) -> PlanError:
+def _missing(spec: DataSpec, row, name: str, fields, flag: str, kind: str) -> PlanError:
     chat = f", or --format chat for its {spec.messages_field!r} conversations" if (
         kind == "text" and spec.messages_field in fields) else ""
-    return PlanError(f"data {spec.path}: row {row} (1-based) has no {kind} field {name!r}; its fields: {sorted(fields)}",
+    return PlanError(f"data {spec.path}: {row_label(row)} has no {kind} field {name!r}; its fields: {sorted(fields)}",
                      fix=f"name the column with {flag} <name> (one of {sorted(fields)}){chat}")
 
 
@@ -120,24 +121,32 @@ def read_documents(spec: DataSpec) -> tuple[str, list]:
     values = table[name]
     docs = []
     for i, value in enumerate(values):
-        if value is None:
-            row = table[i]
-            raise _missing(spec, i + 1, name, [k for k, v in row.items() if v is not None], flag, kind)
-        if kind == "text":
-            if not isinstance(value, str):
-                raise PlanError(f"data {spec.path}: row {i + 1} (1-based) field {name!r} is a "
-                                f"{type(value).__name__}, not a string", fix="point --field at a text column")
-            if value.strip():
-                docs.append(value)
-        else:
-            docs.append(_messages(spec, i + 1, value))
+        doc = row_document(spec, kind, i + 1, {name: value} if value is not None else table[i])
+        if doc is not None:
+            docs.append(doc)
     return kind, docs
 
 
-def _messages(spec: DataSpec, row: int, value) -> list[dict]:
+def row_document(spec: DataSpec, kind: str, row, record: dict):
+    """The document of one row (``record``: its fields): the text (None where it is blank: skipped) or the
+    conversation. A row without the field, or a field of the wrong type, is a :class:`PlanError` naming
+    ``row`` (a 1-based number, or the words a streamed reader gives)."""
+    name, flag = (spec.messages_field, "--messages-field") if kind == "chat" else (spec.field, "--field")
+    value = record.get(name)
+    if value is None:
+        raise _missing(spec, row, name, [k for k, v in record.items() if v is not None], flag, kind)
+    if kind == "chat":
+        return _messages(spec, row, value)
+    if not isinstance(value, str):
+        raise PlanError(f"data {spec.path}: {row_label(row)} field {name!r} is a {type(value).__name__}, "
+                        "not a string", fix="point --field at a text column")
+    return value if value.strip() else None
+
+
+def _messages(spec: DataSpec, row, value) -> list[dict]:
     """One chat row as a list of ``{"role", "content", ...}`` dicts (keys Arrow filled with None dropped)."""
     if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m for m in value):
-        raise PlanError(f"data {spec.path}: row {row} (1-based) field {spec.messages_field!r} is not a list of "
+        raise PlanError(f"data {spec.path}: {row_label(row)} field {spec.messages_field!r} is not a list of "
                         f"{{'role', 'content'}} messages", fix="write chat rows as {\"messages\": [{\"role\": ..., "
                         "\"content\": ...}, ...]} or read the file as text with --format json")
     return [{k: v for k, v in m.items() if v is not None} for m in value]

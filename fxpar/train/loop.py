@@ -21,7 +21,6 @@ position from its ``extra`` record, and every step seeds the RNG from ``(--seed,
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 from pathlib import Path
 
@@ -132,17 +131,7 @@ class FineTune:
 
     # ---- data ----------------------------------------------------------------------------------------
     def _dataset(self, path: str):
-        from fxpar.data import DataSpec, TokenDataset
-
-        if self.tokenizer is None:
-            raise PlanError(f"--data/--eval-data {path}: reading files needs a tokenizer: give a model directory "
-                            "that holds one, or --tokenizer DIR")
-        a = self.args
-        spec = DataSpec(path, format=a.format, field=a.field, messages_field=a.messages_field, seq=a.seq,
-                        pack=not a.no_pack)
-        takes_positions = "position_ids" in inspect.signature(self.model.forward).parameters
-        return TokenDataset(spec, self.tokenizer, max_positions=getattr(self.model.config, "max_position_embeddings", None),
-                            position_ids=takes_positions)
+        return streams.file_dataset(path, self.args, self.tokenizer, self.model)
 
     def _stream(self, data: str, batch: int):
         a = self.args
@@ -181,7 +170,8 @@ class FineTune:
             mem = M.memory_per_rank(self.compiled)
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / dt,
                       "step_s": dt, "mem_mib_per_rank": mem,
-                      "mfu": M.mfu(self.flops, dt, self.world, self.device_model)}
+                      "mfu": M.mfu(self.flops, dt, self.world, self.device_model),
+                      **getattr(self.stream, "progress", dict)()}  # streamed data: what is read so far
             self.log.write(record)
             self.say(f"{_bar(step + 1, a.steps)} step {step + 1}/{a.steps}  loss {loss:.4f}  lr {lr:.3g}  "
                      + (f"grad norm {norm:.4f}  " if norm is not None else "")
@@ -222,7 +212,7 @@ class FineTune:
 
         a = self.args
         self.say(f"plan: {self.plan}  world {self.world}  device {self.device}"
-                 + (f"  accumulation {self.accum}" if self.accum > 1 else ""))
+                 + (f"  accumulation {self.accum}" if self.accum > 1 else "") + streams.describe(self.stream))
         if self.rank == 0:
             self.say(fxpar.inspect(self.compiled, quiet=True).stage_table())
         if self.eval_data is not None and self.start == 0:

@@ -2,7 +2,9 @@
 ``state_dict``, ``load_state_dict``):
 
 * :class:`TokenStream`: a tokenizer and local files through :mod:`fxpar.data` (text, JSON lines, chat,
-  parquet; packed or padded), in a deterministic order whose position is saved in checkpoints;
+  parquet; packed or padded), in a deterministic order whose position is saved in checkpoints: the
+  whole file in memory (:class:`fxpar.data.Batches`) or, for large files, streamed, each rank reading
+  only its share (:class:`fxpar.data.StreamedBatches`, chosen by the dataset it is given);
 * :class:`SyntheticStream`: random tokens seeded by the batch's index (benchmarks, smoke tests);
 * :class:`ByteStream`: a text file's UTF-8 bytes as token ids in consecutive windows, for models that
   come without a tokenizer (zoo names, a bare config.json).
@@ -16,6 +18,7 @@ Trainer computes with gradient accumulation (``num_items_in_batch``).
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -25,23 +28,35 @@ from fxpar.ir.errors import PlanError
 
 class TokenStream:
     def __init__(self, data, batch: int, seed: int, shuffle: bool = True):
-        from fxpar.data import Batches
+        from fxpar.data import Batches, StreamedBatches, StreamedDataset
 
         self.dataset = data
-        self.batches = Batches(data, batch=batch, seed=seed, shuffle=shuffle)
+        if isinstance(data, StreamedDataset):  # its shuffling is the dataset's shuffle buffer
+            self.kind, self.batches = "streamed", StreamedBatches(data, batch=batch, seed=seed)
+        else:
+            self.kind, self.batches = "tokens", Batches(data, batch=batch, seed=seed, shuffle=shuffle)
 
     def next_batch(self) -> dict:
         return dict(next(self.batches))
 
     def state_dict(self) -> dict:
-        return {"kind": "tokens", **self.batches.state_dict()}
+        return {"kind": self.kind, **self.batches.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
-        if state.pop("kind", None) != "tokens":
-            raise PlanError("the checkpoint's data position belongs to another kind of data (synthetic or bytes); "
-                            "resume with the data it was saved with")
+        kind = state.pop("kind", None)
+        if kind != self.kind:
+            how = {"tokens": "read whole (--streaming off)", "streamed": "streamed (--streaming on)"}
+            raise PlanError(f"the checkpoint's data position belongs to {kind} data, this run's data is {self.kind}; "
+                            "resume with the data it was saved with"
+                            + (f", {how[kind]}" if kind in how else ""))
         self.batches.load_state_dict(state)
+
+    def progress(self) -> dict:
+        """Streamed data: documents and tokens read so far, for the metrics (the whole file is never counted)."""
+        if self.kind != "streamed":
+            return {}
+        return {f"data_{k}": v for k, v in self.batches.progress().items()}
 
 
 class SyntheticStream:
@@ -82,6 +97,32 @@ class ByteStream:
 
     def load_state_dict(self, state: dict) -> None:
         self.index = int(state["index"])
+
+
+def file_dataset(path: str, args, tokenizer, model):
+    """The dataset of a data file for ``model``: read whole (:class:`fxpar.data.TokenDataset`) or, as
+    ``args.streaming`` decides (:func:`fxpar.data.use_streaming`), streamed (:class:`fxpar.data.StreamedDataset`)."""
+    from fxpar.data import DataSpec, StreamedDataset, TokenDataset, use_streaming
+
+    if tokenizer is None:
+        raise PlanError(f"--data/--eval-data {path}: reading files needs a tokenizer: give a model directory "
+                        "that holds one, or --tokenizer DIR")
+    a = args
+    spec = DataSpec(path, format=a.format, field=a.field, messages_field=a.messages_field, seq=a.seq,
+                    pack=not a.no_pack)
+    takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    top = getattr(model.config, "max_position_embeddings", None)
+    if use_streaming(spec, a.streaming):  # each rank reads only its share
+        return StreamedDataset(spec, tokenizer, max_positions=top, position_ids=takes_positions,
+                               shuffle_buffer=a.shuffle_buffer)
+    return TokenDataset(spec, tokenizer, max_positions=top, position_ids=takes_positions)
+
+
+def describe(stream) -> str:
+    """A line for the run's header where the data is streamed, else ''."""
+    if getattr(stream, "kind", None) != "streamed":
+        return ""
+    return f"\ndata: {stream.dataset!r}, streamed by {stream.batches.n} readers (each rank reads only its share)"
 
 
 def step_batch(stream, accum: int) -> dict:
