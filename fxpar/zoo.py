@@ -37,7 +37,9 @@ Config rules (applied by :func:`tiny_config`; any field can be overridden by key
   ``build("llama", tie_word_embeddings=True)``) to get a tied variant;
 * special token ids (bos / eos / pad / decoder start) are kept within the vocabulary;
 * ``use_cache`` is False in the config (and :func:`example_inputs` passes ``use_cache=False`` too):
-  the zoo is for training graphs, not for generation.
+  the zoo is for training graphs, not for generation. ``stock=True`` (:func:`tiny_config`, :func:`build`,
+  :func:`example_inputs`) leaves ``use_cache`` at the transformers default, as ``from_pretrained`` gives
+  it (True), and passes no ``use_cache``: the call a user of a stock checkpoint makes.
 
 The field names are the real ones of each ``transformers.<Arch>Config``; the configs are written for
 transformers 5.x and stay valid for 4.47 (the only 5.x-era field passed, ``head_dim``, is accepted as a
@@ -49,7 +51,7 @@ uniformly from the vocabulary (all ids in range, the pad id excluded so that no 
 padding without an attention mask), the ``labels`` that make the model compute its loss (causal LMs:
 the input ids -- the model shifts them; BERT: the input ids at every position; T5 / BART: a target
 sequence, plus the ``decoder_input_ids`` the model would derive from it, so the shift is not in the
-traced graph), and ``use_cache=False``. Inputs are deterministic in ``seed`` and use a private
+traced graph), and ``use_cache=False`` (none with ``stock=True``). Inputs are deterministic in ``seed`` and use a private
 generator, so the global RNG is untouched.
 
 Known caveats (transformers 5.23 / torch 2.13 unless said otherwise):
@@ -216,8 +218,9 @@ def _is_dropout_field(key: str) -> bool:
     return "drop" in k and not k.startswith("_")
 
 
-def tiny_config(name: str, **overrides: Any) -> transformers.PretrainedConfig:
-    """The tiny config of zoo model ``name`` (see the module docstring), with ``overrides`` applied.
+def tiny_config(name: str, *, stock: bool = False, **overrides: Any) -> transformers.PretrainedConfig:
+    """The tiny config of zoo model ``name`` (see the module docstring), with ``overrides`` applied;
+    ``stock``: ``use_cache`` keeps the config class's default (True) instead of False.
 
     Overrides are config field names (``tie_word_embeddings=True``, ``num_hidden_layers=4``,
     ``attn_implementation="eager"`` ...). Derived fields (``head_dim``, Gemma2's ``query_pre_attn_scalar``,
@@ -234,7 +237,8 @@ def tiny_config(name: str, **overrides: Any) -> transformers.PretrainedConfig:
     for k, v in defaults.items():
         if callable(v) and k not in overrides:
             kw[k] = v(kw)
-    kw.setdefault("use_cache", False)
+    if not stock:
+        kw.setdefault("use_cache", False)
     cfg = cls(**kw)
     if not cfg.use_cache and getattr(cfg, "cache_implementation", None) is not None \
             and "cache_implementation" not in overrides:
@@ -265,7 +269,7 @@ def model_class(name: str, config: transformers.PretrainedConfig | None = None) 
 
 
 def build(name: str, *, seed: int = 0, device: str | torch.device = "cpu",
-          dtype: torch.dtype = torch.float32, **config_overrides: Any) -> torch.nn.Module:
+          dtype: torch.dtype = torch.float32, stock: bool = False, **config_overrides: Any) -> torch.nn.Module:
     """Build zoo model ``name`` with its task head, deterministically in ``seed``, in ``train()`` mode.
 
     Parameters are initialised in float32 under ``torch.manual_seed(seed)`` (the global RNG state is
@@ -274,9 +278,10 @@ def build(name: str, *, seed: int = 0, device: str | torch.device = "cpu",
     ``torch.device("meta")`` context and allocates no storage. ``config_overrides`` go to
     :func:`tiny_config`, except ``attn_implementation`` ("eager", "sdpa"...), which goes to
     ``from_config`` (the default is transformers' own choice: sdpa where the architecture has it).
+    ``stock``: the config's ``use_cache`` stays at the transformers default (:func:`tiny_config`).
     """
     attn_impl = config_overrides.pop("attn_implementation", None)
-    cfg = tiny_config(name, **config_overrides)
+    cfg = tiny_config(name, stock=stock, **config_overrides)
     auto = getattr(transformers, _AUTO[model_kind(name)])
     kwargs = {} if attn_impl is None else {"attn_implementation": attn_impl}
     device = torch.device(device)
@@ -322,8 +327,8 @@ def _random_ids(gen: torch.Generator, vocab: int, shape: tuple[int, ...], exclud
 
 def example_inputs(name: str, model_or_config: torch.nn.Module | transformers.PretrainedConfig, *,
                    batch: int = 2, seq: int = 8, seed: int = 0, labels: bool = True,
-                   device: str | torch.device | None = None) -> dict[str, torch.Tensor | bool]:
-    """Keyword arguments for ``model(**kw)`` (see the module docstring).
+                   device: str | torch.device | None = None, stock: bool = False) -> dict[str, torch.Tensor | bool]:
+    """Keyword arguments for ``model(**kw)`` (see the module docstring); ``stock``: no ``use_cache``.
 
     Tensors are int64 on ``device``; by default the model's device (CPU when given a config; for a meta
     model, meta -- the values are drawn on the CPU either way, so they do not depend on the device).
@@ -359,6 +364,6 @@ def example_inputs(name: str, model_or_config: torch.nn.Module | transformers.Pr
             kw["labels"] = target
     if device.type != "cpu":
         kw = {k: v.to(device) for k, v in kw.items()}
-    if _accepts(cls, "use_cache"):
+    if not stock and _accepts(cls, "use_cache"):
         kw["use_cache"] = False
     return kw

@@ -1,6 +1,10 @@
 """One entry to the frontends: capture a model with the frontend asked for, or ``"auto"`` (torch.export,
 then transformers' HFTracer where export fails and the installed transformers has it), lowered into
 fxpar's IR. ``fxpar.trace`` and the planner's trace of a shortened copy both call :func:`capture_program`.
+
+Either frontend traces with the model's KV cache off unless the call asks for it
+(:mod:`fxpar.frontend.kv_cache`): a stock config's ``use_cache=True`` needs no ``use_cache=False`` from
+the caller, at trace time or at any later call of the compiled program.
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from fxpar.frontend.export import capture_export
+from fxpar.frontend.kv_cache import cache_off_for_trace, call_values
 from fxpar.frontend.lower import program_from_exported
 from fxpar.ir.errors import TraceError
 from fxpar.ir.program import Program
@@ -37,6 +42,13 @@ def capture_program(model: torch.nn.Module, example_args: tuple = (), example_kw
         raise ValueError(f"frontend={frontend!r}; choose one of {FRONTENDS}")
     example_args = tuple(example_args)
     example_kwargs = dict(example_kwargs or {})
+    with cache_off_for_trace(model, call_values(model, example_args, example_kwargs)):
+        ep, used = _capture_with_fallback(model, example_args, example_kwargs, frontend, dynamic, stack_traces)
+    return program_from_exported(ep, model, frontend=used)
+
+
+def _capture_with_fallback(model, example_args, example_kwargs, frontend: str, dynamic, stack_traces: bool):
+    """(ExportedProgram, the frontend that made it)."""
     if frontend == "auto":
         try:
             ep, used = _capture(model, example_args, example_kwargs, "export", dynamic, stack_traces), "export"
@@ -51,4 +63,4 @@ def capture_program(model: torch.nn.Module, example_args: tuple = (), example_kw
                 raise export_error from None
     else:
         ep, used = _capture(model, example_args, example_kwargs, frontend, dynamic, stack_traces), frontend
-    return program_from_exported(ep, model, frontend=used)
+    return ep, used

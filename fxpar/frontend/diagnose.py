@@ -20,7 +20,9 @@ from fxpar.ir.errors import TraceError
 # (pattern on "ExceptionType: message", hint). First match wins.
 _HINTS: tuple[tuple[str, str], ...] = (
     (r"Cache|past_key_values",
-     "the model returns a KV-cache object; pass use_cache=False in example_kwargs (and when calling)"),
+     "the model returns a KV-cache object: fxpar turns the config's use_cache off for a trace given no "
+     "past_key_values unless the call passes use_cache=True; drop use_cache=True, or pass use_cache=False "
+     "in example_kwargs (and when calling)"),
     (r"data.dependent|GuardOnDataDependent|Could not guard on|Could not extract specialized integer",
      "the model branches on tensor values here; pass that value as a Python constant, or make the input "
      "static (dynamic=False)"),

@@ -35,6 +35,7 @@ import torch
 from fxpar.frontend.diagnose import locate
 from fxpar.frontend.export import dynamic_shapes_by_name
 from fxpar.frontend.hf_fx_support import FRONTEND, load, tracer_class, transformers_version, version_tuple
+from fxpar.frontend.kv_cache import cache_off_for_trace
 from fxpar.ir.errors import TraceError
 
 META_KEY = "fxpar.hf_fx"
@@ -173,25 +174,20 @@ def _trace(model: torch.nn.Module, values: dict) -> tuple[torch.fx.Graph, Any, b
         needs_disable_check = not hf_fx_module.is_model_supported(model)
     except Exception:
         needs_disable_check = True
-    config = getattr(model, "config", None)
-    saved_use_cache = getattr(config, "use_cache", None)
-    if config is not None and saved_use_cache and "past_key_values" not in inputs:
-        config.use_cache = False  # as symbolic_trace does, but only for the duration of the trace
     tracer = tracer_cls()
-    try:
-        graph = tracer.trace(model, concrete_args=concrete, dummy_inputs=inputs,
-                             complete_concrete_args_with_inputs_not_in_dummy_inputs=False)
-    except TraceError:
-        raise
-    except Exception as exc:
-        module = tracer.failed_module
-        if module is None:
-            stack = getattr(tracer, "module_stack", None)  # fx leaves it unpopped on failure
-            module = next(reversed(stack.values()))[0] if stack else ""
-        raise _trace_error(model, exc, module) from exc
-    finally:
-        if config is not None and saved_use_cache is not None:
-            config.use_cache = saved_use_cache
+    # as symbolic_trace does, but only for the duration of the trace (fxpar.frontend.kv_cache's rule)
+    with cache_off_for_trace(model, values):
+        try:
+            graph = tracer.trace(model, concrete_args=concrete, dummy_inputs=inputs,
+                                 complete_concrete_args_with_inputs_not_in_dummy_inputs=False)
+        except TraceError:
+            raise
+        except Exception as exc:
+            module = tracer.failed_module
+            if module is None:
+                stack = getattr(tracer, "module_stack", None)  # fx leaves it unpopped on failure
+                module = next(reversed(stack.values()))[0] if stack else ""
+            raise _trace_error(model, exc, module) from exc
     return graph, tracer, needs_disable_check
 
 

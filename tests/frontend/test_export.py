@@ -150,11 +150,52 @@ def test_error_names_module_operation_and_fix():
 
 
 def test_error_for_kv_cache_output_says_use_cache_false():
-    model = zoo.build("llama", use_cache=True)
-    inputs = zoo.example_inputs("llama", model)
-    inputs.pop("use_cache")
+    """A call that asks for the cache itself (use_cache=True, no past_key_values) keeps it, and the cache
+    output it returns is a TraceError naming the fix."""
+    model = zoo.build("llama", stock=True)
+    inputs = {**zoo.example_inputs("llama", model, stock=True), "use_cache": True}
     with pytest.raises(fxpar.TraceError, match="use_cache=False"):
         fxpar.trace(model, example_kwargs=inputs)
+    assert model.config.use_cache is True
+
+
+@pytest.mark.parametrize("name", ["llama", "bert", "t5"])
+def test_stock_config_traces_without_its_cache(name):
+    """A stock config (use_cache=True) traced with the user's batch alone: the program has no cache
+    output, equals eager with use_cache=False, and the config reads True again after the trace; an
+    inference call (no labels, eval mode) alike. bert's forward takes no use_cache; t5's cache is an
+    encoder-decoder one held by a deep copy of the config in each stack."""
+    model = zoo.build(name, stock=True)
+    kw = zoo.example_inputs(name, model, stock=True)
+    assert "use_cache" not in kw
+    configs = lambda: [(n, getattr(m.config, "use_cache", None)) for n, m in model.named_modules()  # noqa: E731
+                       if hasattr(m, "config")]
+    before = configs()
+    for inputs in (kw, {k: v for k, v in kw.items() if k != "labels"}):
+        model.train("labels" in inputs)
+        program = fxpar.trace(model, example_kwargs=inputs)
+        assert model.config.use_cache is True and configs() == before
+        out = program(**inputs)
+        assert "past_key_values" not in out.keys()
+        want = model(**inputs, **({"use_cache": False} if name != "bert" else {}))
+        assert (out.logits - want.logits).abs().max().item() <= TOL
+
+
+def test_a_failing_trace_restores_use_cache():
+    """The configs turned off for a trace read True again when the trace fails; during it they read False."""
+    model = zoo.build("t5", stock=True)
+    seen = []
+
+    def fail(module, args):
+        seen.append((model.config.use_cache, model.decoder.config.use_cache))
+        raise RuntimeError("a failure inside the traced forward")
+
+    model.decoder.block[0].register_forward_pre_hook(fail)
+    with pytest.raises(fxpar.TraceError, match="a failure inside the traced forward"):
+        fxpar.trace(model, example_kwargs=zoo.example_inputs("t5", model, stock=True))
+    assert seen == [(False, False)]
+    assert model.config.use_cache is True and model.decoder.config.use_cache is True
+    assert model.decoder.config is not model.config  # t5's stacks hold their own copy, restored too
 
 
 def test_error_for_a_missing_argument():

@@ -110,6 +110,38 @@ def test_reproduces_eager_forward_and_backward(name):
         assert (grads[fqn] - g).abs().max().item() <= TOL, fqn
 
 
+@pytest.mark.parametrize("name", ["llama", "t5", "bert"])
+def test_stock_config_traces_without_its_cache(name):
+    """A stock config (use_cache=True, the transformers default) traced with the user's batch alone
+    (no use_cache): the program equals eager with use_cache=False, and every config reads as before."""
+    model = zoo.build(name, stock=True)
+    kwargs = zoo.example_inputs(name, model, stock=True)
+    assert "use_cache" not in kwargs and model.config.use_cache is True
+    before = [(n, m.config.use_cache) for n, m in model.named_modules() if hasattr(m, "config")]
+    program = fxpar.trace(model, (), kwargs, frontend="hf_fx")
+    assert [(n, m.config.use_cache) for n, m in model.named_modules() if hasattr(m, "config")] == before
+    out = program(**kwargs)
+    assert "past_key_values" not in out.keys()
+    eager = model(**kwargs, **({"use_cache": False} if "use_cache" in model.forward.__code__.co_varnames else {}))
+    assert (out.loss - eager.loss).abs().item() <= TOL
+    assert (out.logits - eager.logits).abs().max().item() <= TOL
+
+
+def test_a_failing_trace_restores_use_cache():
+    """HFTracer failing inside forward: the config turned off for the trace reads True again."""
+    model = zoo.build("llama", stock=True)
+    seen = []
+
+    def fail(module, args):
+        seen.append(model.config.use_cache)
+        raise RuntimeError("a failure inside the traced forward")
+
+    model.model.layers[1].register_forward_pre_hook(fail)
+    with pytest.raises(TraceError):
+        hf_fx.capture_hf_fx(model, (), zoo.example_inputs("llama", model, stock=True))
+    assert seen == [False] and model.config.use_cache is True
+
+
 def test_captured_program_keeps_export_stack_format():
     model = zoo.build("llama")
     ep = hf_fx.capture_hf_fx(model, (), zoo.example_inputs("llama", model))
