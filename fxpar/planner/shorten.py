@@ -23,7 +23,6 @@ export, then hf_fx where export fails) from the planner's layer, which may not i
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -167,13 +166,11 @@ def shorten(model: torch.nn.Module, min_layers: int = 0) -> Shortened | None:
 
 
 def trace_copy(model: torch.nn.Module, seq: int, frontend: str) -> Program:
-    """Trace ``model`` on one sequence of ``seq`` tokens with labels, as ``fxpar.trace`` does."""
+    """Trace ``model`` on one sequence of ``seq`` tokens with labels, as ``fxpar.trace`` does (the capture
+    turns the model's KV cache off for the trace: ``fxpar.frontend.kv_cache``)."""
     p = next(model.parameters(), None)
     ids = torch.zeros(1, seq, dtype=torch.long, device=p.device if p is not None else "cpu")
-    kwargs = {"input_ids": ids, "labels": ids}
-    if "use_cache" in inspect.signature(model.forward).parameters:
-        kwargs["use_cache"] = False
-    program = capture_program(model, (), kwargs, frontend=frontend)
+    program = capture_program(model, (), {"input_ids": ids, "labels": ids}, frontend=frontend)
     annotate_costs(program)
     return program
 

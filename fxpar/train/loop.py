@@ -99,7 +99,7 @@ class FineTune:
             for _ in range(self.start * self.accum):
                 self.stream.next_batch()
         self.data_start = self.stream.state_dict()  # where this run's data begins (saved, for a resumed one)
-        self.batch = self._with_inputs(streams.step_batch(self.stream, self.accum))
+        self.batch = streams.step_batch(self.stream, self.accum)
         if auto:  # the planner prices the whole step's batch (its microbatches cover the accumulation)
             from fxpar.auto import plan_for_compile
 
@@ -143,10 +143,6 @@ class FineTune:
             return streams.ByteStream(data, self.model.config.vocab_size, batch, a.seq)
         return streams.TokenStream(self._dataset(data), batch, a.seed)
 
-    @staticmethod
-    def _with_inputs(batch: dict) -> dict:
-        return {**batch, "use_cache": False}
-
     # ---- running -------------------------------------------------------------------------------------
     def say(self, *parts, **kw) -> None:
         if getattr(self, "rank", 0) == 0:
@@ -156,7 +152,7 @@ class FineTune:
         from fxpar.runtime.liveness import guard
 
         if step > self.start:
-            self.batch = self._with_inputs(streams.step_batch(self.stream, self.accum))
+            self.batch = streams.step_batch(self.stream, self.accum)
         lr = self.scheduler.get_last_lr()[0]
         torch.manual_seed(step_seed(self.args.seed, step))  # dropout draws the same masks in a resumed run
         t0 = time.perf_counter()
@@ -196,7 +192,7 @@ class FineTune:
             n = counted_labels(batch["labels"], self.model)
             if n == 0:
                 continue
-            out = self.compiled(**self._with_inputs(batch))
+            out = self.compiled(**batch)
             total += float(out.loss) * n
             count += n
         loss = total / max(count, 1)

@@ -70,9 +70,9 @@ def example_kwargs(model: torch.nn.Module, batch: int, seq: int) -> dict:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     name = model_type if model_type in zoo.ZOO_NAMES else None
     if name is not None:
-        return zoo.example_inputs(name, model, batch=batch, seq=seq)
+        return zoo.example_inputs(name, model, batch=batch, seq=seq, stock=True)
     vocab = model.config.vocab_size
     device = next(model.parameters()).device
     ids = torch.randint(0, vocab, (batch, seq), device="cpu").to(device)
-    return {"input_ids": ids, "labels": ids, "use_cache": False}
+    return {"input_ids": ids, "labels": ids}  # the trace turns a stock config's KV cache off
 
