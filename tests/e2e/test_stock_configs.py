@@ -72,13 +72,14 @@ def test_stock_config_trains_at_tp2_and_pp2(name, pool2):
 def greedy(compiled, model, ids: torch.Tensor, new: int) -> dict:
     """fxpar's greedy tokens with its KV cache and without, HF's, and the programs the cache path traced."""
     cached = compiled.generate(ids, new)
+    programs = len(compiled.programs.entries)
     kv = [r.program for r, _, _ in compiled.programs.entries.values()
           if any(n.op == "placeholder" and n.name.startswith("past_key_values") for n in r.program.graph.nodes)]
     window = compiled.generate(ids, new, cache=False)
     with torch.no_grad():
         hf = model.eval().generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
     widths = sorted(next(n for n in p.graph.nodes if n.name == "input_ids").meta["val"].shape[1] for p in kv)
-    return {"cached": cached, "window": window, "hf": hf, "kv_input_widths": widths}
+    return {"cached": cached, "window": window, "hf": hf, "kv_input_widths": widths, "programs": programs}
 
 
 def test_generation_keeps_the_kv_cache_with_a_stock_config():
@@ -93,7 +94,9 @@ def test_generation_keeps_the_kv_cache_with_a_stock_config():
     ref.load_state_dict(compiled.full_state_dict())
     prompt = batch["input_ids"][:, :5]
     r = greedy(compiled, ref, prompt, 4)
-    assert r["kv_input_widths"] == [1, 5], r  # the prefill takes the prompt, the decode program one token
+    # the training program, then a prefill taking the prompt and a decode program taking one token, both
+    # with the cache as inputs (the window path would have traced one program without a cache instead)
+    assert r["programs"] == 3 and r["kv_input_widths"] == [1, 5], r
     assert torch.equal(r["cached"], r["hf"]) and torch.equal(r["window"], r["hf"]), r
     assert model.config.use_cache is True
 
