@@ -199,7 +199,7 @@ class CheckpointReader:
         md = self.metadata.state_dict_metadata.get(key)
         if md is None:
             return None
-        shape = tuple(layout.local_shape(md.size) if layout is not None else md.size)
+        shape = tuple(layout.local_shape(md.size, rank) if layout is not None else md.size)
         out = torch.empty(shape, dtype=md.properties.dtype)
         self.read({key: Held(tuple(md.size), out.dtype, place_tp(layout, rank, shape, (0,) * len(shape), out))})
         return out

@@ -104,7 +104,7 @@ class GradClipper:
             layout = tp.layout(fqn)
             if layout is None or not layout.whole or mesh.tp_rank == 0:
                 return [(0, numel)]
-            return _not_whole(layout, layout.local_shape(result.program.params[fqn].shape))
+            return _not_whole(layout, layout.local_shape(result.program.params[fqn].shape, mesh.tp_rank), mesh.tp_rank)
 
         for t, name, bucket in stepped:
             self.tensors.append(t)
@@ -165,14 +165,14 @@ class GradClipper:
         return total
 
 
-def _not_whole(layout, shape) -> list[tuple[int, int]]:
+def _not_whole(layout, shape, rank: int) -> list[tuple[int, int]]:
     """Flat entries of one rank's shard (of ``shape``) outside the pieces every rank holds whole."""
     d = layout.dim
     outer, rows, inner = math.prod(shape[:d]), shape[d], math.prod(shape[d + 1:])
     out = []
     for o in range(outer):
         start = o * rows * inner
-        for i, p in enumerate(layout.local_pieces()):
+        for i, p in enumerate(layout.local_pieces(rank)):
             if i not in layout.whole:
                 out.append((start, start + p * inner))
             start += p * inner

@@ -46,9 +46,7 @@ def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpe
         if grads:
             local = local.grad if local.grad is not None else torch.zeros_like(local)
         layout = result.tp.layout(fqn)
-        shape = list(local.shape)
-        if layout is not None:
-            shape[layout.dim] *= mesh.tp
+        shape = list(local.shape) if layout is None else list(layout.full_shape(local.shape))
         mine = owner.get(fqn, mesh.pp_rank) == mesh.pp_rank
         if fqn in experts:  # this ep rank's experts: every ep rank's, in order, along dim 0
             shape[0] *= mesh.ep
@@ -59,15 +57,25 @@ def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpe
             else:
                 full = torch.empty(shape, dtype=local.dtype, device=device)
         elif layout is not None and mine:
-            parts = [torch.empty_like(local) for _ in range(mesh.tp)]
-            dist.all_gather(parts, local.detach().contiguous(), group=resolve_group(mesh.group_name("tp")))
-            full = layout.unshard(parts)
+            full = layout.unshard(_gather_tp(local.detach(), layout, shape, mesh))
         else:
             full = local.detach().clone() if mine else torch.empty(shape, dtype=local.dtype, device=device)
         if mesh.world_size > 1 and fqn in owner:
             dist.broadcast(full, src=owner[fqn] * mesh.tp)
         out[name] = full
     return out
+
+
+def _gather_tp(local: torch.Tensor, layout: ShardLayout, shape: list[int], mesh: MeshSpec) -> list[torch.Tensor]:
+    """Every TP rank's part of a tensor of full ``shape``, in rank order. Parts of different sizes (a dim the
+    degree does not divide) travel padded to the largest, since an all-gather moves equal sizes."""
+    sizes = layout.local_sizes(shape[layout.dim])
+    d, most = layout.dim, max(sizes)
+    padded = local.new_zeros(tuple(local.shape[:d]) + (most,) + tuple(local.shape[d + 1:]))
+    padded.narrow(d, 0, local.shape[d]).copy_(local)
+    parts = [torch.empty_like(padded) for _ in range(mesh.tp)]
+    dist.all_gather(parts, padded, group=resolve_group(mesh.group_name("tp")))
+    return [p.narrow(d, 0, n) for p, n in zip(parts, sizes)]
 
 
 # ---- what this rank holds of each full tensor (sharded checkpoints) ---------------------------------
@@ -119,16 +127,16 @@ def place_tp(layout: ShardLayout | None, tp_rank: int, local_shape, offsets, vie
         return [(tuple(offsets), view)]
     d = layout.dim
     lo, hi = offsets[d], offsets[d] + view.shape[d]
-    out, local_start, full_start = [], 0, 0
-    for i, piece in enumerate(layout.pieces or [layout.full_shape(local_shape)[d]]):
-        whole = i in layout.whole  # a piece every rank holds whole (ShardLayout.whole)
-        step = piece if whole else piece // layout.parts
+    out, local_start = [], 0
+    size = layout.full_shape(local_shape)[d]
+    for i, (first, end) in enumerate(layout.ranges(size, tp_rank)):  # one range of the full tensor per piece
+        whole, step = i in layout.whole, end - first  # whole: a piece every rank holds whole (ShardLayout.whole)
         a, b = max(lo, local_start), min(hi, local_start + step)
         if a < b and not (whole and whole_once and tp_rank != 0):
             o = list(offsets)
-            o[d] = full_start + (0 if whole else tp_rank * step) + (a - local_start)
+            o[d] = first + (a - local_start)
             out.append((tuple(o), view.narrow(d, a - lo, b - a)))
-        local_start, full_start = local_start + step, full_start + piece
+        local_start += step
     return out
 
 

@@ -8,7 +8,9 @@ and, with a pipeline, each stage's canonical FQNs. Modules repeated over layers 
 layer indices written ``*`` (``model.layers.*.mlp.up_proj``: the glob a ``tp_plan`` entry would use).
 
 The share counts parameter elements, not buffers: what one TP rank holds (a cut weight's local shape,
-a whole one in full) over the model's. ZeRO divides it further by dp; that is not counted here.
+a whole one in full) over the model's; where the degree does not divide a cut dim, the ranks' parts
+differ (``torch.chunk``'s shares) and rank 0's, the largest, is counted; ``uneven`` lists those
+parameters with each rank's size. ZeRO divides it further by dp; that is not counted here.
 :func:`sharding_warning` is the compile path's warning text when more than 10% of the parameters stay
 whole where sharding was possible (reason kinds in :data:`~fxpar.ir.placement.SHARDABLE`, >= 2-D).
 """
@@ -68,6 +70,7 @@ class Coverage:
     stages: list[dict] = field(default_factory=list)
     gathered: dict[str, str] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
+    uneven: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # FQN -> (dim, each rank's size)
 
     @property
     def share(self) -> float:
@@ -88,7 +91,8 @@ class Coverage:
         return {"tp": self.tp, "params": self.total, "local": self.local, "share": round(self.share, 4),
                 "shardable_replicated": self.shardable, "replicated_by_kind": dict(self.by_kind),
                 "modules": [r.to_dict() for r in self.rows], "stages": self.stages,
-                "gathered": dict(self.gathered), "fallbacks": list(self.fallbacks)}
+                "gathered": dict(self.gathered), "fallbacks": list(self.fallbacks),
+                "uneven": {k: {"dim": d, "sizes": n} for k, (d, n) in self.uneven.items()}}
 
     def to_text(self) -> str:
         head = (f"tensor-parallel coverage (tp={self.tp}): one TP rank holds {100 * self.share:.1f}% of the "
@@ -105,6 +109,11 @@ class Coverage:
         whys = ["why", "-" * 3] + [r.why for r in self.rows]
         lines += [""] + [f"{a}  {w}" for a, w in zip(aligned, whys)]
         lines += [f"gathered at use: {fqn}: {why}" for fqn, why in list(self.gathered.items())[:5]]
+        if self.uneven:  # modules repeated over layers: one line
+            cut = {f"{module_glob(fqn.rpartition('.')[0])}.{fqn.rpartition('.')[2]}: Shard({d}), "
+                   f"{' / '.join(map(str, sizes))}": None for fqn, (d, sizes) in self.uneven.items()}
+            lines.append("cut unevenly (tp does not divide the dim; torch.chunk's share on each rank):")
+            lines += [f"  {line}" for line in cut]
         if self.fallbacks:
             lines.append(f"ops on gathered inputs: {len(self.fallbacks)} ({'; '.join(self.fallbacks[:3])}"
                          f"{', ...' if len(self.fallbacks) > 3 else ''})")
@@ -121,6 +130,14 @@ def _local_numel(info: ParamInfo, tp: TpResult) -> int:
     return info.numel if layout is None else math.prod(layout.local_shape(info.shape))
 
 
+def _whole_numel(info: ParamInfo, tp: TpResult) -> int:
+    """Elements of a cut parameter in the fused pieces every rank holds whole (0 for none)."""
+    layout = tp.layout(info.fqn)
+    if layout is None or not layout.whole or not layout.pieces:
+        return 0
+    return sum(layout.pieces[i] for i in layout.whole) * (info.numel // info.shape[layout.dim])
+
+
 def coverage(params: dict[str, ParamInfo], tp: TpResult, stages: Sequence[Sequence[str]] = ()) -> Coverage:
     """The coverage of ``tp`` over the model's parameter table ``params`` (full shapes; buffers skipped);
     ``stages``: each pipeline stage's canonical FQNs (a share per stage when there are several)."""
@@ -134,7 +151,7 @@ def coverage(params: dict[str, ParamInfo], tp: TpResult, stages: Sequence[Sequen
         n, mine = info.numel, _local_numel(info, tp)
         row.params, row.local = row.params + n, row.local + mine
         total, local = total + n, local + mine
-        whole = (mine * tp.parts - n) // (tp.parts - 1) if tp.parts > 1 else 0  # fused pieces every rank holds
+        whole = _whole_numel(info, tp)  # fused pieces every rank holds
         if tp.layout(fqn) is not None and whole <= 0:
             row.sharded += n
             if fqn in tp.gathered:
@@ -164,9 +181,10 @@ def coverage(params: dict[str, ParamInfo], tp: TpResult, stages: Sequence[Sequen
         infos = [params[f] for f in names if f in params and not params[f].is_buffer]
         n, mine = sum(p.numel for p in infos), sum(_local_numel(p, tp) for p in infos)
         per_stage.append({"stage": i, "params": n, "local": mine, "share": round(mine / n, 4) if n else 1.0})
+    uneven = {fqn: (tp.sharded[fqn], sizes) for fqn, sizes in tp.uneven().items()}
     return Coverage(tp.parts, total, local, shardable, list(rows.values()),
                     dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), per_stage, dict(tp.gathered),
-                    list(tp.fallbacks))
+                    list(tp.fallbacks), uneven)
 
 
 def coverage_of(compiled) -> Coverage | None:

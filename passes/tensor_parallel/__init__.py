@@ -74,6 +74,7 @@ def tensor_parallel(program: Program, tp: int, rank: int, styles: dict[str, str]
     pieces = {fqn: rw.segments[fqn] for fqn in rw.param_dim if fqn in rw.segments}
     result = TpResult(dict(rw.param_dim), pieces, list(rw.fallbacks), tp)
     result.whole = {fqn: w for fqn, w in rw.packing.whole.items() if fqn in pieces}  # pieces every rank holds whole
+    result.sizes = {fqn: program.params[fqn].shape[d] for fqn, d in rw.param_dim.items()}  # uneven cuts need them
     # why each parameter left whole is whole, and which cut ones a rule gathers again (fxpar inspect shows them)
     result.replicated = replicated_reasons(program, rw.param_dim, resolved, rw.transposed, rw.segments, tp,
                                            rw.why_whole)

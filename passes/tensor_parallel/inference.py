@@ -42,6 +42,7 @@ from fxpar.ir.op_classes import (
     is_pointwise,
     packet,
 )
+from fxpar.ir.placement import chunk_fits
 from fxpar.ir.program import Program
 from fxpar.passes.tensor_parallel.layouts import (
     linear_weight,
@@ -117,9 +118,10 @@ class _Graph:
 def _moved(user: torch.fx.Node, src: torch.fx.Node, d: int, tp: int) -> int | None:
     """The dim a shard of ``src`` at ``d`` lands on in ``user`` (a view-like op), or None (lost or gathered)."""
     pkt, nd, no = packet(user), _ndim(src), _ndim(user)
-    if pkt in RESHAPES:
+    if pkt in RESHAPES:  # the same size: kept, divisible or not; split or merged: tp must divide both
         od = reshape_dim(_shape(src), _shape(user), d)
-        return None if od is None or _shape(user)[od] % tp else od
+        keeps = od is not None and (_shape(user)[od] == _shape(src)[d] or not (_shape(user)[od] % tp or _shape(src)[d] % tp))
+        return od if keeps else None
     if pkt is aten.transpose:
         return transpose_map(user.args[1], user.args[2], nd)(d)
     if pkt in (aten.t, aten.numpy_T):
@@ -291,10 +293,10 @@ def infer_pairs(program: Program, tp: int, taken: dict[str, str]) -> tuple[dict[
         if not _free(node, styles) or packet(node) not in (aten.linear, aten.matmul):
             continue
         walk = _Walk(g, node, False, head=True)
-        if walk.ok and walk.sinks and _shape(node)[-1] % tp == 0:
+        if walk.ok and walk.sinks and chunk_fits(_shape(node)[-1], tp):  # tp need not divide: torch.chunk's shares
             styles[_module(node)] = "colwise"
         elif walk.ok and walk.sinks:
-            skipped[_module(node)] = f"{_shape(node)[-1]} output features do not divide by tp={tp}"
+            skipped[_module(node)] = f"{_shape(node)[-1]} output features are too few for tp={tp}"
     _pairs(g, linears, styles, skipped, gathers=True)
     vocab = _vocab(program)
     for node in program.graph.nodes:
@@ -306,8 +308,8 @@ def infer_pairs(program: Program, tp: int, taken: dict[str, str]) -> tuple[dict[
             continue
         if vocab is not None and rows < vocab:
             continue
-        if rows % tp:
-            skipped[fqn] = f"{rows} rows do not divide by tp={tp}"
+        if not chunk_fits(rows, tp):
+            skipped[fqn] = f"{rows} rows are too few for tp={tp}"
             continue
         styles[fqn] = "embedding_rowwise"
     return {k: v for k, v in styles.items() if k not in taken and k is not None}, skipped
@@ -335,9 +337,9 @@ def _pairs(g: _Graph, linears, styles: dict, skipped: dict, gathers: bool) -> No
             continue
         if any(styles.get(module(e)) not in (None, "rowwise", "rowwise_split_input", "rowwise_rep") for e in walk.ends):
             continue
-        bad = [n for n in (node, *[_input_of(e) for e in walk.ends]) if _shape(n)[-1] % tp]
+        bad = [n for n in (node, *[_input_of(e) for e in walk.ends]) if not chunk_fits(_shape(n)[-1], tp)]
         if bad:
-            skipped[module(node)] = f"{_shape(bad[0])[-1]} features do not divide by tp={tp}"
+            skipped[module(node)] = f"{_shape(bad[0])[-1]} features are too few for tp={tp}"
             continue
         styles[module(node)] = "colwise"
         skipped.pop(module(node), None)

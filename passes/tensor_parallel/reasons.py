@@ -10,8 +10,9 @@ generic facts only (dims, whether a style reached the parameter, divisibility, s
 
 * ``norm/bias/scalar``: 0-D or 1-D (norm weights, a row-parallel layer's bias): replicated by design;
 * ``replicated by plan``: the style says so (``replicate``, ``replicated_with_grad_allreduce``, ...);
-* ``not divisible``: a style cuts it, but the dim (or a fused piece) does not divide by tp, or the style
-  inference left its module out for that (``Styles.skipped``);
+* ``not divisible``: a style cuts it, but the dim (or a fused piece) is too small to give each of tp ranks
+  a part (a dim tp does not divide is otherwise cut unevenly), or the style inference left its module
+  out because its heads do not divide (``Styles.skipped``);
 * ``layout not understood``: a style reached it but gives no dim for its shape;
 * ``small``: no style, and at most 1/16 of the median size of the model's >= 2-D weights (a router gate);
 * ``unused``: no node of the traced program reads it (an encoder-decoder's cross-attention traced
@@ -39,6 +40,7 @@ from fxpar.ir.placement import (
     WHY_NOT_UNDERSTOOD,
     WHY_SMALL,
     WHY_UNUSED,
+    chunk_fits,
 )
 from fxpar.ir.program import Program
 from fxpar.passes.tensor_parallel.styles import param_dim
@@ -79,11 +81,11 @@ def why_whole(program: Program, fqn: str, styles: dict[str, str], transposed: se
             d = None
         if d is None:
             return f"{WHY_NOT_UNDERSTOOD}: style {style!r} cuts no dim of a {nd}-D weight {shape}"
-        bad = [s for s in segments.get(fqn, [shape[d]]) if s % tp]
+        bad = [s for s in segments.get(fqn, [shape[d]]) if not chunk_fits(s, tp)]  # uneven shares are cut
         if bad:
             unit = "rows" if d == 0 else "columns" if d == nd - 1 else "entries"
             what = f"fused pieces {segments[fqn]}" if fqn in segments else f"{shape[d]} {unit}"
-            return f"{WHY_NOT_DIVISIBLE}: {what} along dim {d}, tp={tp}"
+            return f"{WHY_NOT_DIVISIBLE}: {what} along dim {d}, too few for a part on each of tp={tp} ranks"
         return f"{WHY_NOT_UNDERSTOOD}: style {style!r} on {shape} (dim {d}) left whole by the pass"
     skipped = getattr(styles, "skipped", {})  # candidates the inference left whole: heads or features that do not divide
     why = next((skipped[m] for m in (n.rpartition(".")[0] for n in info.fqns) if m in skipped), None)

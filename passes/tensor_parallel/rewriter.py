@@ -22,8 +22,9 @@ from torch.fx.node import map_arg
 from fxpar.ir import meta
 from fxpar.ir import ops as _ops  # noqa: F401  (defines torch.ops.fxpar.*)
 from fxpar.ir.analysis import grad_flow
-from fxpar.ir.placement import Partial, Placement, Replicate, Shard, as_placement
+from fxpar.ir.placement import Partial, Placement, Replicate, Shard, as_placement, chunk_sizes, chunk_start
 from fxpar.ir.program import Program
+from fxpar.passes.tensor_parallel import uneven
 from fxpar.passes.tensor_parallel.channels import ChannelParams
 from fxpar.passes.tensor_parallel.experts import expert_layouts
 from fxpar.passes.tensor_parallel.layouts import conv1d_weights, linear_weight
@@ -100,6 +101,22 @@ class Rewriter:
         v = old.meta.get(meta.VAL)
         return v.dim() if isinstance(v, torch.Tensor) else 0
 
+    # ---- sizes: a dim tp does not divide is cut as torch.chunk cuts it (fxpar.ir.placement.chunk_sizes) --
+    def local_size(self, n: int) -> int:
+        """This rank's share of a dim of full size ``n``."""
+        return chunk_sizes(n, self.tp)[self.rank]
+
+    def local_start(self, n: int) -> int:
+        """Where this rank's share of a dim of full size ``n`` starts."""
+        return chunk_start(n, self.tp, self.rank)
+
+    def uneven(self, old: torch.fx.Node, d: int) -> int | None:
+        """The full size of traced node ``old``'s dim ``d`` when tp does not divide it (its shards differ in
+        size from rank to rank), else None."""
+        v = old.meta.get(meta.VAL)
+        n = v.shape[d % v.dim()] if isinstance(v, torch.Tensor) and v.dim() else None
+        return n if isinstance(n, int) and n % self.tp and old not in self.packing.values else None
+
     def keep(self, old, args, kwargs, mapping: Callable[[int], int]) -> torch.fx.Node:
         """An op that moves dims but never mixes them: the shard follows ``mapping``."""
         d = self.shard_dim(args[0])
@@ -113,6 +130,9 @@ class Rewriter:
         if d is None:
             return new
         self.channels.gathered(old)
+        n = self.uneven(old, d)
+        if n is not None:  # shares of different sizes (uneven.py)
+            return uneven.gather(self, new, old, d, n)
         return self.call(fxpar_ops.all_gather.default, (new, self.group, d), like=old)
 
     def slice_to(self, new: torch.fx.Node, old: torch.fx.Node, d: int) -> torch.fx.Node:
@@ -122,6 +142,9 @@ class Rewriter:
         if not self.is_replicated(new):
             new = self.replicate(new, old)
         self.channels.cut(old, d)
+        n = self.uneven(old, d)
+        if n is not None:  # shares of different sizes (uneven.py)
+            return uneven.scatter(self, new, old, d, n, Shard(d))
         return self.call(fxpar_ops.scatter_slice.default, (new, self.group, d), like=old, place=Shard(d))
 
     def sum_grad(self, new: torch.fx.Node, like: torch.fx.Node | None = None) -> torch.fx.Node:

@@ -23,6 +23,7 @@ import torch.fx
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
 from fxpar.ir.op_classes import ASSERTS, is_pointwise, packet
+from fxpar.ir.placement import chunk_fits, chunk_sizes
 from fxpar.ir.program import Program
 from fxpar.passes.tensor_parallel.inference import infer_pairs
 from fxpar.passes.tensor_parallel.layouts import linear_weight, node_ndim
@@ -179,8 +180,10 @@ def _owner(node: torch.fx.Node) -> str:
 def param_dim(program: Program, fqn: str, styles: dict[str, str], transposed: set[str],
               segments: dict[str, list[int]], tp: int) -> int | None:
     """The dim parameter ``fqn`` is cut along under ``styles`` (None: kept whole). ``transposed``: weights
-    laid out [in, out] (Conv1D); ``segments``: the piece sizes of fused weights, each of which must divide
-    (a plan's style that does not divide is an error; an inferred one, :attr:`Styles.inferred`, stays whole)."""
+    laid out [in, out] (Conv1D); ``segments``: the piece sizes of fused weights. A size tp does not divide is
+    cut unevenly (``torch.chunk``'s shares, :func:`~fxpar.ir.placement.chunk_sizes`); one too small to give
+    every rank a part is an error under a plan's style, and leaves an inferred one
+    (:attr:`Styles.inferred`) whole."""
     info = program.params[fqn]
     style, key = None, None
     for name in info.fqns:
@@ -200,14 +203,16 @@ def param_dim(program: Program, fqn: str, styles: dict[str, str], transposed: se
     elif style in EMBEDDING_COLWISE and nd == 2:
         d = 1
     if d is not None:
-        for size in segments.get(fqn, [info.shape[d]]):
-            if size % tp and key in getattr(styles, "inferred", ()):
+        for size in segments.get(fqn, [info.shape[d]]):  # a size tp does not divide is cut as torch.chunk cuts it
+            if not chunk_fits(size, tp) and key in getattr(styles, "inferred", ()):
                 return None
-            if size % tp:
+            if not chunk_fits(size, tp):
+                ok = [k for k in range(1, 2 * tp + 1) if chunk_fits(size, k)]
                 raise PlanError(f"{fqn} has {info.shape[d]} rows along dim {d}"
                                 f"{f' (packed parts {segments[fqn]})' if fqn in segments else ''}, "
-                                f"not divisible by tp={tp}; module {fqn.rpartition('.')[0]} cannot be "
-                                f"{style}: use a tp degree that divides {size}, or mark it 'replicate'")
+                                f"not divisible by tp={tp} and too few to give every rank a part "
+                                f"(torch.chunk's shares {chunk_sizes(size, tp)}); module {fqn.rpartition('.')[0]} "
+                                f"cannot be {style}: use a tp degree in {ok}, or mark it 'replicate'")
     return d
 
 

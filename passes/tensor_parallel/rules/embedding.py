@@ -15,15 +15,16 @@ aten = torch.ops.aten
 def embedding(rw, old, args, kwargs):
     """Table ``Shard(1)`` (hidden features): ``Shard(-1)`` out. ``Shard(0)`` (vocabulary): a masked local
     lookup, zero for ids other ranks hold, ``Partial()`` out (a padding id is made local, or none where
-    another rank holds it). Replicated table: replicated out."""
+    another rank holds it); a vocabulary tp does not divide: each rank its ``torch.chunk`` share of the
+    rows (``ceil(V / tp)``, the last rank fewer). Replicated table: replicated out."""
     w, ids = args[0], args[1]
     if rw.shard_dim(w) == 1:  # embedding_colwise: each rank looks up its hidden features
         return rw.call(old.target, args, kwargs, like=old, place=Shard(rw.ndim(old) - 1))
     if rw.shard_dim(w) != 0:
         return rw.call(old.target, args, kwargs, like=old)
     vocab = old.args[0].meta[meta.VAL].shape[0]
-    per = vocab // rw.tp
-    lo, hi = rw.rank * per, (rw.rank + 1) * per
+    lo = rw.local_start(vocab)
+    hi = lo + rw.local_size(vocab)
     outside = rw.call(aten.__or__.Tensor, (rw.call(aten.lt.Scalar, (ids, lo), like=old),
                                            rw.call(aten.ge.Scalar, (ids, hi), like=old)), like=old)
     local = rw.call(aten.masked_fill.Scalar, (rw.call(aten.sub.Tensor, (ids, lo), like=old), outside, 0), like=old)

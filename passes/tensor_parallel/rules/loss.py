@@ -17,8 +17,9 @@ _NAMES = ("input", "target", "weight", "reduction", "ignore_index", "label_smoot
 @rule(aten.cross_entropy_loss)
 def vocab_parallel_cross_entropy(rw, old, args, kwargs):
     """Logits ``Shard(-1)``: the max, the sum of exponentials and the target's logit are all-reduced
-    (Megatron's parallel loss), a replicated loss out; every all-reduce's backward is the identity.
-    Other layouts, class weights or label smoothing: the fallback."""
+    (Megatron's parallel loss), a replicated loss out; every all-reduce's backward is the identity. A
+    vocabulary tp does not divide: each rank's ``torch.chunk`` share of it (its offset and size). Other
+    layouts, class weights or label smoothing: the fallback."""
     if rw.shard_dim(args[0]) != rw.ndim(old.args[0]) - 1:
         return pointwise_or_gather(rw, old, args, kwargs)
     given = dict(zip(_NAMES, args)) | dict(kwargs)
@@ -27,7 +28,7 @@ def vocab_parallel_cross_entropy(rw, old, args, kwargs):
         return pointwise_or_gather(rw, old, args, kwargs, force_gather=True)
     x, target = given["input"], given["target"]
     vocab = old.args[0].meta[meta.VAL].shape[-1]
-    per = vocab // rw.tp
+    start, per = rw.local_start(vocab), rw.local_size(vocab)
     s1 = Shard(1)
 
     def c(target_, *a, place=Replicate()):
@@ -39,7 +40,7 @@ def vocab_parallel_cross_entropy(rw, old, args, kwargs):
     shifted = c(aten.sub.Tensor, x, c(aten.unsqueeze.default, top, -1), place=s1)
     sumexp = c(fxpar_ops.all_reduce.default, c(aten.sum.dim_IntList, c(aten.exp.default, shifted, place=s1), [-1]),
                rw.group)
-    local = c(aten.sub.Tensor, target, rw.rank * per)
+    local = c(aten.sub.Tensor, target, start)
     inside = c(aten.__and__.Tensor, c(aten.ge.Scalar, local, 0), c(aten.lt.Scalar, local, per))
     index = c(aten.unsqueeze.default, c(aten.masked_fill.Scalar, local, c(aten.logical_not.default, inside), 0), -1)
     picked = c(aten.squeeze.dim, c(aten.gather.default, shifted, 1, index), -1)
@@ -67,6 +68,6 @@ def vocab_parallel_fused_loss(rw, old, args, kwargs):
     if rw.shard_dim(w) != 0:
         return rw.call(old.target, (rw.replicate(h, old.args[0]), rw.replicate(w, old.args[1]), labels,
                                     *args[3:]), like=old)
-    per = old.args[1].meta[meta.VAL].shape[0] // rw.tp
+    start = rw.local_start(old.args[1].meta[meta.VAL].shape[0])  # this rank's first vocabulary row
     h = rw.column_input(h, old.args[0])
-    return rw.call(old.target, (h, w, labels, rw.rank * per, rw.group, ignore, chunk, False), like=old)
+    return rw.call(old.target, (h, w, labels, start, rw.group, ignore, chunk, False), like=old)

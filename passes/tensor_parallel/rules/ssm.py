@@ -156,6 +156,8 @@ def repeat_interleave(rw, old, args, kwargs):
     dim = old.args[2] if len(old.args) > 2 else old.kwargs.get("dim")
     if dim is None:
         return pointwise_or_gather(rw, old, args, kwargs, force_gather=True)
+    if dim % rw.ndim(old) == d and rw.uneven(old.args[0], d) is not None:  # each rank's groups: not a chunk
+        return pointwise_or_gather(rw, old, args, kwargs, force_gather=True)
     if dim % rw.ndim(old) == d and kwargs.get("output_size") is not None:
         kwargs = {**kwargs, "output_size": kwargs["output_size"] // rw.tp}
     return rw.call(old.target, args, kwargs, like=old, place=as_placement(d))

@@ -9,6 +9,7 @@ import operator
 import torch
 
 from fxpar.ir import meta
+from fxpar.ir.errors import PlanError
 from fxpar.ir.function_op import is_function_node
 from fxpar.ir.op_classes import RESHAPES, SPLITS, packet
 from fxpar.ir.placement import Replicate, as_placement
@@ -38,13 +39,26 @@ def view(rw, old, args, kwargs):
     od = reshape_dim(src, dst, d)
     fused = rw.packing.values.get(old)  # a fused value with whole pieces: its local size from them
     local = sum(fused.local(rw.tp)) if fused is not None and od == fused.dim else None
-    if od is None or (local is None and dst[od] % rw.tp):
+    if od is not None and local is None and dst[od] < src[d] and rw.uneven(old.args[0], d) is not None:
+        _split_uneven(rw, old, src, dst, d)
+    if od is None or (local is None and dst[od] != src[d] and (dst[od] % rw.tp or rw.uneven(old.args[0], d))):
         x = rw.replicate(x, old.args[0])
         return rw.call(old.target, (x, *args[1:]), kwargs, like=old)
     sizes = list(args[1])
     if sizes[od] != -1:
-        sizes[od] = dst[od] // rw.tp if local is None else local
+        sizes[od] = rw.local_size(dst[od]) if local is None else local
     return rw.call(old.target, (x, sizes, *args[2:]), kwargs, like=old, place=as_placement(od))
+
+
+def _split_uneven(rw, old, src, dst, d):
+    """A dim tp does not divide, cut unevenly, reshaped into several (``[.., H * D]`` into ``[.., H, D]``):
+    heads that do not divide over the ranks, which nothing can cut. A plan's style that asks for it is an
+    error, as it was before uneven cuts (the inference never cuts such a dim)."""
+    module = old.meta.get(meta.MODULE) or "(root)"
+    raise PlanError(f"{module}: {old.name} reshapes {src} into {dst}, splitting dim {d} ({src[d]}), which "
+                    f"tp={rw.tp} does not divide, into groups (heads) that cannot be cut apart; use a tp degree "
+                    f"that divides {src[d]}, or leave the layers that make it out of tp_plan (or mark them "
+                    f"'replicate')")
 
 
 @rule(aten.transpose)
@@ -96,7 +110,7 @@ def expand(rw, old, args, kwargs):
     d = rw.shard_dim(x) + rw.ndim(old) - rw.ndim(old.args[0])
     sizes = list(args[1])
     if sizes[d] not in (-1, 1):
-        sizes[d] = sizes[d] // rw.tp
+        sizes[d] = rw.local_size(sizes[d])
     return rw.call(old.target, (x, sizes, *args[2:]), kwargs, like=old, place=as_placement(d))
 
 
@@ -123,7 +137,7 @@ def split(rw, old, args, kwargs):
         return rw.call(old.target, args, kwargs, like=old, place=as_placement(d))
     if _strided_group(rw, old, dim):  # one group of an interleaving ([::2], [1::2]): the same slice locally
         return rw.call(old.target, args, kwargs, like=old, place=as_placement(d))
-    if old not in rw.packed_splits:
+    if old not in rw.packed_splits or rw.uneven(old.args[0], d) is not None:
         x = rw.replicate(x, old.args[0])
         return rw.call(old.target, (x, *args[1:]), kwargs, like=old)
     pkt = packet(old)
@@ -194,4 +208,4 @@ def _strided_group(rw, old, dim: int) -> bool:
     size = old.args[0].meta[meta.VAL].shape[dim]
     start, end = slice_bounds(given, size)
     step = given.get("step", 1)
-    return step > 1 and start < step and end == size and (size // rw.tp) % step == 0
+    return step > 1 and start < step and end == size and size % rw.tp == 0 and (size // rw.tp) % step == 0

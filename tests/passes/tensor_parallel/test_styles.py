@@ -90,9 +90,10 @@ def test_inferred_coverage(name, most):
     assert not any(f in info.sharded for f in positions)
 
 
-def test_inferred_styles_that_do_not_divide_stay_whole():
+def test_inferred_styles_cut_uneven_dims_and_leave_heads_that_do_not_divide_whole():
     """3 heads of 16 at tp=2: the attention pair stays whole (the heads view does not divide), the MLP
-    and the vocabulary are cut; at tp=3 nothing divides and nothing raises. A user's plan still raises."""
+    and the vocabulary are cut; at tp=3 the heads divide, and the vocabulary (256) and the MLP width (128),
+    which 3 does not divide, are cut into torch.chunk's shares. A user's plan cutting those heads raises."""
     model = zoo.build("gpt2", n_head=3, n_embd=48)
     program = fxpar.trace(model, example_kwargs=zoo.example_inputs("gpt2", model))
     styles = styles_for(program, None, 2)
@@ -101,9 +102,11 @@ def test_inferred_styles_that_do_not_divide_stay_whole():
     _, info = tensor_parallel(program, 2, 0)
     assert "transformer.h.0.mlp.c_fc.weight" in info.sharded and "transformer.wte.weight" in info.sharded
     _, info3 = tensor_parallel(program, 3, 0)
-    assert "transformer.wte.weight" not in info3.sharded
-    with pytest.raises(PlanError, match="not divisible by tp=3"):
-        tensor_parallel(program, 3, 0, {"transformer.h.*.mlp.c_fc": "colwise"})
+    uneven = info3.uneven()
+    assert uneven["transformer.wte.weight"] == [86, 86, 84] and uneven["transformer.h.0.mlp.c_fc.weight"] == [43, 43, 42]
+    assert "transformer.h.0.attn.c_attn.weight" in info3.sharded and "transformer.h.0.attn.c_attn.weight" not in uneven
+    with pytest.raises(PlanError, match="3 attention heads"):
+        tensor_parallel(program, 2, 0, {"transformer.h.*.attn.c_attn": "colwise"})
 
 
 def tp_step(name: str) -> dict:
