@@ -37,7 +37,7 @@ from fxpar.runtime import liveness
 from fxpar.runtime.grad_norm import check_max_grad_norm
 from fxpar.runtime.groups import mesh_groups
 from fxpar.runtime.model import CompiledModel
-from fxpar.weights import WeightSource
+from fxpar.weights import WeightSource, check_not_taken
 
 
 def trace(model: torch.nn.Module, example_args: tuple = (), example_kwargs: dict | None = None, *,
@@ -102,7 +102,9 @@ class _Builder:
             else:
                 self.cuts = balanced_cuts(program, setup.n_stages, self.device_model)
         ctx = passes.PassContext(plan, self.mesh, self.device, cuts=self.cuts, stage_to_rank=list(setup.stage_to_rank),
-                                 load=self._load if self.weights is not None else None, traced_on_meta=self.on_meta,
+                                 load=self._load if self.weights is not None else None,
+                                 load_flat=self.weights.load_flat if self.weights is not None else None,
+                                 traced_on_meta=self.on_meta,
                                  shared=self.shared, param_group=self.groups.index if self.groups else None)
         local, pipeline = passes.run(program, ctx)
         if not self.coverage_checked and self.mesh.rank == 0:  # a plan leaving big weights whole says so once
@@ -110,6 +112,8 @@ class _Builder:
             warn_if_replicated(program.params, ctx.out.tp)
         if self.weights is not None:
             self.weights.done()
+            # a model whose tensors compile took (ZeRO-3): what it did not keep is freed now
+            self.weights.release({a for info in program.params.values() for a in info.fqns})
         feasibility.check_zero3_ties(plan, feasibility.tied_across_ranks(pipeline, setup.stage_to_rank))
         # priced on this rank's program: after TP its nodes cost their shards (the TP pass prices them)
         predicted = annotate_stages(local, pipeline, self.cuts, self.device_model, self.actions,
@@ -224,6 +228,8 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
              frontend, timeout, program, weights, dry: bool,
              max_grad_norm: float | None = None, groups: ParamGroups | None = None) -> CompiledModel:
     example_kwargs = dict(example_kwargs or {})
+    if not dry:
+        check_not_taken(model, weights)
     timeout = float(timeout if timeout is not None else os.environ.get("FXPAR_TIMEOUT", 300))
     feasibility.check_optimizer_factory(plan, optimizer, groups)
     feasibility.warn_zero_with_pipeline(plan)
@@ -232,6 +238,9 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
     setup = feasibility.pipeline_setup(plan, batch_size(flat))
     actions = build_schedule(setup.schedule, plan.pp, setup.microbatches, setup.n_stages)
     source = WeightSource(model, weights, rank=mesh.tp_rank) if weights is not None else None
+    if plan.zero == 3 and source is None and not dry and _materialised(model):
+        # ZeRO-3 holds only its shards: the model's tensors are read as weights= would be, and freed
+        source = WeightSource.taking(model, rank=mesh.tp_rank)
     builder = _Builder(model, plan, mesh, setup, actions, device, device_model, frontend, source, groups)
     if plan.ep > 1:  # the experts are found on the first trace, checked before any communication
         program = _check_experts(builder, plan, flat, example_args, example_kwargs, program, weights)
@@ -242,6 +251,11 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
                          predict_memory=lambda n, states: memory_per_rank(n, plan.zero, plan.dp, states),
                          lower_collectives=lower_collectives,  # for Plan(compile=True); runtime never imports passes
                          max_grad_norm=max_grad_norm, param_groups=groups)
+
+
+def _materialised(model: torch.nn.Module) -> bool:
+    tensors = [*model.parameters(), *model.buffers()]
+    return bool(tensors) and not any(t.is_meta for t in tensors)
 
 
 def _check_experts(builder: _Builder, plan: Plan, flat, example_args, example_kwargs, program,

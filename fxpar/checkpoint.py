@@ -52,7 +52,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from fxpar.ir.errors import PlanError
 from fxpar.runtime.liveness import guard
 from fxpar.runtime.state import Held, local_state
-from fxpar.weights import CheckpointReader, SafetensorsWriter
+from fxpar.safetensors_writer import SafetensorsWriter
+from fxpar.weights import CheckpointReader
 
 FORMAT = 2  # 1: full tensors and optim.rank<r>.pt files (still read)
 

@@ -18,14 +18,15 @@ Tensors a state dict does not hold (transformers' non-persistent buffers such as
 come from the initialiser too. With ``weights=None`` a meta model stays on meta: enough to plan,
 inspect and predict, not to run.
 
-:class:`SafetensorsWriter` writes safetensors files one tensor at a time (``fxpar.checkpoint.export_hf``).
+Writing safetensors files one tensor at a time (``fxpar.checkpoint.export_hf``) is
+:mod:`fxpar.safetensors_writer`'s.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import re
+import math
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -38,7 +39,21 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from fxpar.ir.errors import PlanError
 from fxpar.ir.placement import ShardLayout
-from fxpar.runtime.state import Held, place_tp
+from fxpar.runtime.state import Held, flat_boxes, place_tp
+
+TAKEN = "_fxpar_tensors_taken"  # set on a model whose tensors :meth:`WeightSource.taking` took
+
+
+def check_not_taken(model: torch.nn.Module, weights) -> None:
+    """A model an earlier ZeRO-3 compile took the tensors of has only meta tensors left: compiling it again
+    needs ``weights=`` (a PlanError before any communication)."""
+    if weights is None and model.__dict__.get(TAKEN):
+        raise PlanError(f"this {type(model).__name__}'s tensors were taken and freed by an earlier ZeRO-3 "
+                        "compile (its parameters and buffers are on the meta device now), so there is nothing "
+                        "to compile it from",
+                        fix="pass weights= to this compile: first.full_state_dict(), a checkpoint "
+                            "(checkpoint.save(first, dir, step); weights=dir) or the model directory it came from; "
+                            "or build the model again")
 
 
 class WeightSource:
@@ -49,17 +64,16 @@ class WeightSource:
                  init: Callable[[torch.nn.Module], None] | None = None, rank: int = 0):
         self.model, self.seed, self.rank = model, seed, rank
         self.state: Mapping[str, torch.Tensor] = {}
-        self.files: list = []
+        self.paths: list[str] = []  # safetensors files, opened while a compile reads them (:attr:`files`)
+        self._files: list | None = None
         self.source = None  # an object with read_shard(name, layout, rank), e.g. checkpoint.model_source
         if isinstance(weights, (str, Path)) and Path(weights).is_dir():
             weights = _directory(Path(weights))
         if hasattr(weights, "read_shard"):
             self.source = weights
         elif isinstance(weights, (str, Path)) and str(weights) != "init" or isinstance(weights, (list, tuple)):
-            from safetensors import safe_open
-
-            paths = [weights] if isinstance(weights, (str, Path)) else list(weights)
-            self.files = [safe_open(str(p), framework="pt") for p in paths]
+            self.paths = [str(p) for p in ([weights] if isinstance(weights, (str, Path)) else weights)]
+            self._files = self._open()  # headers read now: a bad file fails before any communication
         elif isinstance(weights, Mapping):
             self.state = weights
         elif weights != "init":
@@ -67,15 +81,48 @@ class WeightSource:
         hf_init = getattr(model, "_init_weights", None)
         self.init = init or hf_init or _reset_parameters
         self._modules: dict[str, dict[str, torch.Tensor]] = {}
+        self.owned = False  # the state dict holds the model's own tensors, taken by :meth:`taking`
+        self.released: set[str] = set()  # names freed by :meth:`release`: asking for them again is an error
+
+    @classmethod
+    def taking(cls, model: torch.nn.Module, rank: int = 0) -> WeightSource:
+        """A source that takes a materialised model's tensors, leaving the model on the meta device (shapes,
+        dtypes, ties and ``requires_grad`` kept), so that compiling it reads them as it reads ``weights=``:
+        each rank keeps only its shards. ZeRO-3 compiles a materialised model this way; :meth:`release`
+        then frees the full tensors (FSDP2's ``fully_shard`` frees them as it shards)."""
+        state = {**dict(model.named_parameters(remove_duplicate=False)),
+                 **dict(model.named_buffers(remove_duplicate=False))}
+        to_meta(model)
+        model.__dict__[TAKEN] = True  # compile refuses it without weights= from now on (nothing left to read)
+        source = cls(model, state, rank=rank)
+        source.owned = True
+        return source
+
+    def release(self, bound: set[str]) -> None:
+        """After the first compile of a :meth:`taking` source: the model's tensors the program never binds
+        (``bound``: every FQN it does) go back into the model; the others are dropped, freeing them unless
+        the caller holds them too. Later signatures reuse what the first one loaded (``ctx.shared``)."""
+        if not self.owned:
+            return
+        for name, t in self.state.items():
+            if name not in bound:
+                path, _, leaf = name.rpartition(".")
+                module = self.model.get_submodule(path)
+                (module._parameters if leaf in module._parameters else module._buffers)[leaf] = t
+        self.released.update(n for n in self.state if n in bound)
+        self.state = {}
+        self._modules.clear()
 
     def load(self, names: list[str], layout: ShardLayout | None, like: torch.Tensor) -> torch.Tensor:
         """This rank's part of the tensor known under ``names`` (aliases of one tied tensor), cut as
         ``layout`` says (None: the whole tensor)."""
+        self._check_released(names)
         for name in names:
             if name in self.state:
-                full = self.state[name]
-                full = full.detach()  # copied: training never writes into the caller's state dict
-                return self._checked(name, full.clone() if layout is None else layout.slice(full, self.rank), like)
+                full = self.state[name].detach()
+                if layout is None and not self.owned:  # copied: training never writes into the caller's state
+                    full = full.clone()
+                return self._checked(name, full if layout is None else layout.slice(full, self.rank), like)
             for f in self.files:
                 if name in f.keys():
                     return self._checked(name, _read_slice(f, name, layout, self.rank), like)
@@ -90,8 +137,69 @@ class WeightSource:
         full = self._modules[path][leaf]
         return full if layout is None else layout.slice(full, self.rank)
 
+    def load_flat(self, names: list[str], layout: ShardLayout | None, like: torch.Tensor, start: int,
+                  end: int) -> torch.Tensor:
+        """Entries ``[start, end)`` of this rank's part of the tensor ``names`` (its row-major flattening,
+        shape ``like.shape``), reading only those entries: a ZeRO-3 rank's slice of a flat bucket
+        (``fxpar.passes.zero3``). 1-D, ``like``'s dtype."""
+        out = torch.empty(end - start, dtype=like.dtype)
+        full_shape = tuple(layout.full_shape(like.shape) if layout is not None else like.shape)
+        boxes = flat_views(out, tuple(like.shape), start, end, layout, self.rank)
+        self._check_released(names)
+        for name in names:
+            src = self.state.get(name) if name in self.state else None
+            if src is not None:
+                self._check_full(name, tuple(src.shape), full_shape)
+                for o, view in boxes:
+                    view.copy_(src.detach()[_index(o, view.shape)])
+                return out
+            for f in self.files:
+                if name in f.keys():
+                    sl = f.get_slice(name)
+                    self._check_full(name, tuple(sl.get_shape()), full_shape)
+                    for o, view in boxes:
+                        view.copy_(sl[_index(o, view.shape)] if view.dim() else f.get_tensor(name))
+                    return out
+            if self.source is not None and self.source.read_boxes(name, full_shape, boxes):
+                return out
+        path, _, leaf = names[0].rpartition(".")
+        if path not in self._modules:  # one module's full tensors at a time
+            self._modules = {path: self._init_module(path)}
+        full = self._modules[path][leaf]
+        for o, view in boxes:
+            view.copy_(full[_index(o, view.shape)])
+        return out
+
+    @property
+    def files(self) -> list:
+        """The safetensors files, memory-mapped until :meth:`done`: the pages a rank read count in its
+        resident memory while the file stays mapped, so a compiled model must not keep them open."""
+        if self._files is None:
+            self._files = self._open()
+        return self._files
+
+    def _open(self) -> list:
+        from safetensors import safe_open
+
+        return [safe_open(p, framework="pt") for p in self.paths]
+
     def done(self) -> None:
         self._modules.clear()
+        self._files = None
+
+    def _check_released(self, names) -> None:
+        gone = [n for n in names if n in self.released]
+        if gone:
+            raise PlanError(f"weights: {gone[0]} was released once ZeRO-3 sharded it (the model's full tensors "
+                            "are freed after the first compile); a later input signature asked for it whole",
+                            fix="compile with the inputs the program needs first, or keep the model's tensors "
+                                "by passing weights= a state dict you hold")
+
+    @staticmethod
+    def _check_full(name: str, shape: tuple, want: tuple) -> None:
+        if shape != want:
+            raise PlanError(f"weights: {name} has shape {shape}, but the model needs {want}; the weights "
+                            "belong to another configuration")
 
     def _init_module(self, path: str) -> dict[str, torch.Tensor]:
         module = copy.deepcopy(self.model.get_submodule(path))  # a meta module: no memory
@@ -204,6 +312,55 @@ class CheckpointReader:
         self.read({key: Held(tuple(md.size), out.dtype, place_tp(layout, rank, shape, (0,) * len(shape), out))})
         return out
 
+    def read_boxes(self, name: str, full_shape: tuple, boxes: list[tuple[tuple, torch.Tensor]]) -> bool:
+        """Boxes ``(offsets, view)`` of the model tensor ``name`` read into their views (the saved chunks
+        overlapping each); False when the checkpoint does not hold it."""
+        key = "model." + self.aliases.get(name, name)
+        md = self.metadata.state_dict_metadata.get(key)
+        if md is None:
+            return False
+        WeightSource._check_full(name, tuple(md.size), full_shape)
+        if boxes:
+            self.read({key: Held(tuple(md.size), boxes[0][1].dtype, list(boxes))})
+        return True
+
+
+def to_meta(model: torch.nn.Module) -> None:
+    """Every parameter and buffer of ``model`` replaced by a meta tensor of its shape and dtype, in place:
+    tied tensors stay one tensor (``Module.to("meta")`` would make a new one per name), parameters stay
+    parameters with their ``requires_grad``."""
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table, make in ((module._parameters, _meta_param), (module._buffers, _meta_like)):
+            for name, t in table.items():
+                if t is not None and not t.is_meta:
+                    table[name] = memo.setdefault(id(t), make(t))
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+def _meta_param(p: torch.nn.Parameter) -> torch.nn.Parameter:
+    return torch.nn.Parameter(_meta_like(p), requires_grad=p.requires_grad)
+
+
+def flat_views(out: torch.Tensor, shape: tuple[int, ...], start: int, end: int, layout: ShardLayout | None,
+               rank: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """Where entries ``[start, end)`` of TP rank ``rank``'s part (shape ``shape``, cut by ``layout``) of a
+    tensor lie in the full tensor: ``(offsets in the full tensor, a view of out)`` per box, ``out`` being
+    the 1-D buffer of those entries. Reading each box of the full tensor into its view fills ``out``."""
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    views = []
+    for o, z in flat_boxes(shape, start, end):
+        at = sum(i * st for i, st in zip(o, strides)) - start
+        views += place_tp(layout, rank, shape, o, out.as_strided(z, strides, out.storage_offset() + at))
+    return views
+
+
+def _index(offsets, sizes) -> tuple[slice, ...]:
+    return tuple(slice(a, a + n) for a, n in zip(offsets, sizes))
+
 
 def _reset_parameters(module: torch.nn.Module) -> None:
     if hasattr(module, "reset_parameters"):
@@ -222,97 +379,3 @@ def _read_slice(f, name: str, layout: ShardLayout | None, rank: int) -> torch.Te
         index[layout.dim] = slice(start, end)
         parts.append(sl[tuple(index)])
     return torch.cat(parts, dim=layout.dim) if layout.pieces else parts[0]
-
-
-# ---- writing safetensors files (checkpoint.export_hf) ----------------------------------------------
-
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in ``size``, as ``save_pretrained`` reads ``max_shard_size``: an int, or ``"5GB"`` (10**9),
-    ``"5GiB"`` (2**30), ``"500MB"``, ...; a lower-case ``b`` means bits (``"5Gb"``: 5 * 10**9 / 8)."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?[Bb]?)\s*", str(size), flags=re.IGNORECASE)
-    unit = m and m.group(2).upper()
-    if not m or unit not in _UNITS:
-        raise PlanError(f"max_shard_size={size!r}: give bytes as an int or a size such as '5GB', '500MB', '2GiB'")
-    bits = m.group(2).endswith("b")
-    return int(float(m.group(1)) * _UNITS[unit] // (8 if bits else 1))
-
-
-def _shards(entries: list[tuple[str, tuple, torch.dtype]], max_bytes: int) -> list[list[int]]:
-    """Indices of ``entries`` per file, as ``save_pretrained`` splits: in order, a new file when the next
-    tensor would pass ``max_bytes``; a tensor larger than that alone in its own file."""
-    files, current, size = [], [], 0
-    for i, (_, shape, dtype) in enumerate(entries):
-        n = _nbytes(shape, dtype)
-        if n > max_bytes:
-            files.append([i])
-            continue
-        if current and size + n > max_bytes:
-            files.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += n
-    return files + [current] if current or not files else files
-
-
-def _nbytes(shape, dtype: torch.dtype) -> int:
-    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-
-
-class SafetensorsWriter:
-    """Writes safetensors files one tensor at a time. ``safetensors.torch.save_file`` needs every tensor of
-    a file in memory at once; the format is simple enough to stream instead: an 8-byte little-endian
-    header length, a JSON header (each tensor's dtype, shape and ``data_offsets`` in the data section,
-    padded with spaces to 8 bytes), then the raw bytes. Offsets follow from shapes and dtypes, so each
-    file's header is written first and each tensor lands at its offset as it arrives."""
-
-    def __init__(self, directory: Path, max_shard_size):
-        self.directory, self.max_bytes = directory, parse_size(max_shard_size)
-
-    def begin(self, config, entries: list[tuple[str, tuple, torch.dtype]]) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        config.save_pretrained(self.directory)
-        files = _shards(entries, self.max_bytes)
-        n = len(files)
-        self.where: dict[str, tuple[Path, int]] = {}
-        weight_map = {}
-        for i, idx in enumerate(files):
-            fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            header, offset = {"__metadata__": {"format": "pt"}}, 0
-            for j in idx:
-                name, shape, dtype = entries[j]
-                if dtype not in _DTYPES:
-                    raise PlanError(f"export_hf: {name} has dtype {dtype}, which safetensors does not store")
-                end = offset + _nbytes(shape, dtype)
-                header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
-                weight_map[name] = fname
-                offset = end
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % 8)
-            path = self.directory / fname
-            with open(path, "wb") as f:
-                f.write(len(raw).to_bytes(8, "little") + raw)
-                f.truncate(8 + len(raw) + offset)
-            for j in idx:
-                self.where[entries[j][0]] = (path, 8 + len(raw) + header[entries[j][0]]["data_offsets"][0])
-        index = self.directory / "model.safetensors.index.json"
-        index.unlink(missing_ok=True)
-        if n > 1:
-            total = sum(_nbytes(s, d) for _, s, d in entries)
-            index.write_text(json.dumps({"metadata": {"total_size": total},
-                                         "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        path, offset = self.where[name]
-        data = tensor.contiguous().reshape(-1).view(torch.uint8)
-        with open(path, "r+b") as f:
-            f.seek(offset)
-            f.write(memoryview(data.numpy()))

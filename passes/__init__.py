@@ -69,9 +69,32 @@ def _zero3(stage, ctx: PassContext):
                     cache=ctx.shared.setdefault("zero3", {}),
                     group_of=ctx.param_group,
                     compute_dtype=torch.bfloat16 if plan.mixed_precision == "bf16" else None,
-                    comm_dtype=f"{plan.comm_dtype}+grads" if plan.quantize_grads else plan.comm_dtype)
+                    comm_dtype=f"{plan.comm_dtype}+grads" if plan.quantize_grads else plan.comm_dtype,
+                    load_flat=_load_flat(ctx) if ctx.load_flat is not None else None, device=ctx.device)
     ctx.out.zero3_buckets.setdefault(stage.index, buckets)
+    _release_sharded(ctx, [n for b in buckets for n in b.names])
     return stage
+
+
+def _load_flat(ctx: PassContext):
+    """The zero3 pass's reader: entries of a meta parameter's TP shard, from the weights (``ctx.load_flat``)."""
+    def load(fqn: str, like: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        info = ctx.program.params[ctx.program.canonical(fqn)]
+        return ctx.load_flat(list(info.fqns), ctx.out.tp.layout(info.fqn), like, start, end).to(ctx.device)
+    return load
+
+
+def _release_sharded(ctx: PassContext, names: list[str]) -> None:
+    """The full tensors of what ZeRO-3 sharded are no longer this rank's: the program and the shared TP
+    shards keep meta stand-ins (shapes for later signatures, which find the buckets in the cache)."""
+    tp_shards = ctx.shared.get("tp_shards", {})
+    for fqn in names:
+        t = ctx.program.tensor(fqn)
+        if not t.is_meta:
+            stand_in = torch.nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+            ctx.program.set_tensor(fqn, stand_in)
+            if fqn in tp_shards:
+                tp_shards[fqn] = stand_in
 
 
 PROGRAM_PASSES = (  # Program -> Program: the whole traced graph, the same on every rank but for its TP coordinate

@@ -8,6 +8,8 @@ The policy (a state dict, safetensors files or the model's initialiser) arrives 
 callback the caller builds (``fxpar.weights.WeightSource.load``): the pass decides *what* this rank
 needs, the callback *where it comes from*. A tensor loaded for one signature is reused by the next, and by
 every other stage of this rank that reads it (virtual stages: a rotary table's buffer in stages 0 and 2).
+Under ZeRO-3 the trainable parameters are left on meta: the zero3 pass reads only this rank's slice of
+each (``ctx.load_flat``), so no rank ever holds a full parameter it does not own.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from fxpar.ir.stage import StageSpec
 from fxpar.passes.pipeline_split import set_nested
 
 
+def zero3_shards(ctx, t: torch.Tensor) -> bool:
+    """Whether the zero3 pass will flatten ``t`` into a bucket (a trainable parameter under ZeRO-3)."""
+    return ctx.plan.zero == 3 and isinstance(t, torch.nn.Parameter) and t.requires_grad
+
+
 def materialize_weights(stage: StageSpec, ctx) -> StageSpec:
     program = ctx.program
     loaded = ctx.shared.setdefault("loaded", {})  # FQN -> tensor materialised for this rank
@@ -26,6 +33,8 @@ def materialize_weights(stage: StageSpec, ctx) -> StageSpec:
         t = program.tensor(fqn)
         if fqn not in loaded:
             if not t.is_meta:  # the model's own tensor
+                continue
+            if zero3_shards(ctx, t):  # the zero3 pass reads only this rank's slice of it
                 continue
             layout = ctx.out.tp.layout(fqn)
             v = ctx.load(list(program.params[fqn].fqns), layout, like=t).to(ctx.device)

@@ -62,6 +62,8 @@ class PassContext:
     cuts: list[tuple[str, str]] | None = None
     stage_to_rank: list[int] | None = None
     load: Callable | None = None  # (fqns, layout, like) -> this rank's tensor; a meta model's weights
+    # (fqns, layout, like, start, end) -> entries [start, end) of it, flat: a ZeRO-3 shard's part of it
+    load_flat: Callable | None = None
     traced_on_meta: bool = False
     param_group: Callable | None = None  # FQN -> its optimizer parameter group (ZeRO-3 buckets never mix)
     shared: dict = field(default_factory=dict)

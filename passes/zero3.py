@@ -32,13 +32,22 @@ aten = torch.ops.aten
 
 
 class Zero3Bucket(FlatBucket):
-    """One bucket: the flat layout of its parameters (FQNs, shapes, offsets) and this rank's shard."""
+    """One bucket: the flat layout of its parameters (FQNs, shapes, offsets) and this rank's shard.
 
-    def __init__(self, names: list[str], tensors: list[torch.Tensor], dp: int, rank: int):
+    The shard is filled parameter by parameter with only the entries it owns: ``read(i, start, end)``
+    gives entries ``[start, end)`` of parameter ``i``, flat (a slice of a real tensor, or read from the
+    weights of a meta model), so building it never holds the bucket, or a parameter, whole."""
+
+    def __init__(self, names: list[str], tensors: list[torch.Tensor], dp: int, rank: int,
+                 read: Callable[[int, int, int], torch.Tensor], device: torch.device):
         super().__init__(names, [t.shape for t in tensors], dp)
-        flat = self.flatten(tensors, dtype=tensors[0].dtype, device=tensors[0].device)
         lo, hi = self.shard_range(rank)
-        self.shard = torch.nn.Parameter(flat[lo:hi].clone(), requires_grad=any(t.requires_grad for t in tensors))
+        shard = torch.zeros(self.shard_numel, dtype=tensors[0].dtype, device=device)
+        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
+            s, e = max(off, lo), min(off + n, hi)
+            if s < e:
+                shard[s - lo:e - lo] = read(i, s - off, e - off)
+        self.shard = torch.nn.Parameter(shard, requires_grad=any(t.requires_grad for t in tensors))
 
 
 def buckets_of(names: list[str], tensors: dict[str, torch.Tensor], bucket_bytes: int,
@@ -75,7 +84,9 @@ def buckets_of(names: list[str], tensors: dict[str, torch.Tensor], bucket_bytes:
 def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, group: str = "dp",
           bucket_bytes: int = 0, prefetch: int = 1, compute_dtype: torch.dtype | None = None,
           cache: dict[tuple, Zero3Bucket] | None = None,
-          comm_dtype: str | None = None, group_of: Callable[[str], int] | None = None) -> list[Zero3Bucket]:
+          comm_dtype: str | None = None, group_of: Callable[[str], int] | None = None,
+          load_flat: Callable[[str, torch.Tensor, int, int], torch.Tensor] | None = None,
+          device: torch.device | None = None) -> list[Zero3Bucket]:
     """Rewrite ``gm`` (a stage) so its parameters ``params`` (FQNs) are gathered from dp shards.
 
     ``compute_dtype``: gather (and compute with) parameters in this dtype, e.g. bf16 mixed precision;
@@ -83,7 +94,9 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
     ``cache``: buckets from another signature of the same stage (training and inference share shards).
     ``comm_dtype``: the gathers' wire format (``"int8"``, ``"int8+grads"``: :mod:`fxpar.ir.wire`); None
     writes the 4-argument node, full precision. ``group_of``: FQN -> optimizer parameter group; a bucket
-    holds one group's parameters only (its flat shard goes into that group).
+    holds one group's parameters only (its flat shard goes into that group). ``load_flat(fqn, like, start,
+    end)``: entries ``[start, end)`` of a meta parameter (a meta model's weights), read into the shard
+    (on ``device``) without the rest of it.
     Returns the stage's buckets; their ``shard`` parameters are what the optimizer updates."""
     cache = {} if cache is None else cache
     graph = gm.graph
@@ -97,7 +110,9 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
         key = tuple(names)
         bucket = cache.get(key)
         if bucket is None:
-            bucket = cache[key] = Zero3Bucket(names, [tensors[n] for n in names], dp, rank)
+            ts = [tensors[n] for n in names]
+            bucket = cache[key] = Zero3Bucket(names, ts, dp, rank, _reader(names, ts, load_flat),
+                                              device if ts[0].is_meta and device is not None else ts[0].device)
         buckets.append(bucket)
         attr = f"_zero3_{len(buckets) - 1}"
         gm.register_parameter(attr, bucket.shard)
@@ -132,6 +147,17 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
     graph.lint()
     gm.recompile()
     return buckets
+
+
+def _reader(names: list[str], tensors: list[torch.Tensor], load_flat) -> Callable[[int, int, int], torch.Tensor]:
+    def read(i: int, start: int, end: int) -> torch.Tensor:
+        t = tensors[i]
+        if not t.is_meta:
+            return t.detach().reshape(-1)[start:end]
+        if load_flat is None:
+            raise RuntimeError(f"fxpar.passes.zero3: {names[i]} is on the meta device and no weights were given")
+        return load_flat(names[i], t, start, end)
+    return read
 
 
 def _position(graph: torch.fx.Graph):

@@ -38,9 +38,9 @@ from fxpar.runtime.grad_norm import make_clipper
 from fxpar.runtime.liveness import guarded
 from fxpar.runtime.pipeline import PipelineRuntime
 from fxpar.runtime.programs import ProgramCache
-from fxpar.runtime.state import full_state_dict
+from fxpar.runtime.state import canonical_names, full_state_dict
 from fxpar.runtime.tied import make_tied_groups, sum_tied_grads
-from fxpar.runtime.zero3 import Zero3Regather, sync_zero3
+from fxpar.runtime.zero3 import Zero3Gatherer, Zero3Regather
 
 
 class CompiledModel:
@@ -195,9 +195,9 @@ class CompiledModel:
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors keyed by the original FQNs (tied parameters under each name), on every rank.
         ``grads=True``: the parameters' gradients from the last ``step`` instead (zeros where none)."""
-        if self.plan.zero == 3:
-            sync_zero3(self._train.zero3_buckets, self._train.program, self.spec.group_name("dp"), self.dp, grads)
-        return full_state_dict(self._train, self.model, self.spec, self.device, grads, ep=self.ep.info)
+        zero3 = Zero3Gatherer(self._train.zero3_buckets, canonical_names(self._train.program),
+                              self.spec.group_name("dp"), self.dp, grads) if self.plan.zero == 3 else None
+        return full_state_dict(self._train, self.model, self.spec, self.device, grads, ep=self.ep.info, zero3=zero3)
 
     def memory(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds for parameters, gradients and optimizer states: ``predicted`` from parameter

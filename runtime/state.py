@@ -21,13 +21,14 @@ from fxpar.runtime.groups import resolve_group
 
 
 def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpec, device: torch.device,
-                    grads: bool = False, ep=None) -> dict[str, torch.Tensor]:
+                    grads: bool = False, ep=None, zero3=None) -> dict[str, torch.Tensor]:
     """Full tensors keyed by the original FQNs (tied parameters under each name), on every rank.
     ``grads=True``: the parameters' gradients from the last step instead (zeros where none).
 
     TP shards are gathered within the owning stage's TP group, then sent from its TP rank 0. ZeRO-3
-    shards must have been gathered into the parameters first (``fxpar.runtime.zero3.sync_zero3``). ``ep``
-    (an :class:`~fxpar.ir.expert_ops.EpResult`): expert slices are gathered over the ep group (dim 0).
+    parameters come from ``zero3`` (a :class:`~fxpar.runtime.zero3.Zero3Gatherer`: one bucket gathered at
+    a time, values or gradients as ``grads`` says). ``ep`` (an :class:`~fxpar.ir.expert_ops.EpResult`):
+    expert slices are gathered over the ep group (dim 0).
     """
     experts = ep.experts if ep is not None else {}
     pipeline, program = result.pipeline, result.program
@@ -42,12 +43,14 @@ def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpe
             fqn = program.canonical(name)
         except KeyError:  # a tensor the traced graph does not bind
             fqn = name
+        mine = owner.get(fqn, mesh.pp_rank) == mesh.pp_rank
         local = program.tensor(fqn) if fqn in program.params else value
-        if grads:
+        if zero3 is not None and fqn in zero3:
+            local = zero3[fqn] if mine else local.detach()
+        elif grads:
             local = local.grad if local.grad is not None else torch.zeros_like(local)
         layout = result.tp.layout(fqn)
         shape = list(local.shape) if layout is None else list(layout.full_shape(local.shape))
-        mine = owner.get(fqn, mesh.pp_rank) == mesh.pp_rank
         if fqn in experts:  # this ep rank's experts: every ep rank's, in order, along dim 0
             shape[0] *= mesh.ep
             if mine:

@@ -2,13 +2,13 @@
 
 Reads: the buckets ``fxpar.passes.zero3`` made (each a :class:`~fxpar.ir.buckets.FlatBucket` holding
 this rank's ``shard`` parameter) and the ``gather_params`` calls of a running forward. Writes: autograd's
-saved tensors (handles instead of gathered buckets) and, in :func:`sync_zero3`, the original parameters
-or their gradients.
+saved tensors (handles instead of gathered buckets). :class:`Zero3Gatherer` gathers full tensors one
+bucket at a time for reading the full state; nothing holds a full parameter between steps.
 
 ZeRO-3 is owned by two files: the graph rewrite (``passes/zero3.py``) and this one. The gathers'
 backward reduce-scatters the gradients, so the optimizer steps the shards directly; no other runtime
-part knows ZeRO-3 but the compiled model, which wraps each training forward in a :class:`Zero3Regather`
-and calls :func:`sync_zero3` before reading the full state.
+part knows ZeRO-3 but the compiled model, which wraps each training forward in a :class:`Zero3Regather`,
+and the full-state reader (``fxpar.runtime.state``), which reads through a :class:`Zero3Gatherer`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fxpar.ir.ops import gather_params
 from fxpar.runtime.collectives import all_gather_single, observing_param_gathers
 from fxpar.runtime.groups import resolve_group
 
-__all__ = ["Zero3Regather", "sync_zero3"]
+__all__ = ["Zero3Gatherer", "Zero3Regather"]
 
 
 class Zero3Regather:
@@ -101,22 +101,28 @@ class Zero3Regather:
         return self.regathered[ptr].as_strided(shape, stride, offset)
 
 
-def sync_zero3(buckets: dict[int, list], program, group_name: str, dp: int, grads: bool) -> None:
-    """Gather every ZeRO-3 bucket of this rank's stages (``buckets``: stage -> its buckets) over the
-    data-parallel group ``group_name`` into the original parameters of ``program`` (or, ``grads``,
-    into their gradients), so the full state can be read under the original FQNs."""
-    pg = resolve_group(group_name)
-    for stage_buckets in buckets.values():
-        for b in stage_buckets:
-            src = b.shard.grad if grads else b.shard.detach()
-            if src is None:
-                src = torch.zeros_like(b.shard)
-            full = torch.empty(b.shard_numel * dp, dtype=src.dtype, device=src.device)
-            all_gather_single(full, src.contiguous(), group=pg)
-            for name, piece in b.unflatten(full).items():
-                p = program.tensor(name)
-                if grads:
-                    p.grad = piece.clone()
-                else:
-                    with torch.no_grad():
-                        p.copy_(piece)
+class Zero3Gatherer:
+    """Full tensors of this rank's ZeRO-3 parameters (or their gradients), one bucket at a time: asking for
+    a parameter all-gathers its bucket over the data-parallel group ``group_name`` (every dp rank asks in
+    the same order) and keeps only that bucket until a parameter of another one is asked for, so reading
+    the whole state holds no more than one gathered layer beside what the caller keeps.
+    ``buckets``: stage -> its buckets; ``canonical``: a name -> its canonical FQN."""
+
+    def __init__(self, buckets: dict[int, list], canonical, group_name: str, dp: int, grads: bool):
+        self.of = {canonical(n): b for stage_buckets in buckets.values() for b in stage_buckets for n in b.names}
+        self.canonical, self.group, self.dp, self.grads = canonical, group_name, dp, grads
+        self._bucket, self._pieces = None, {}
+
+    def __contains__(self, fqn: str) -> bool:
+        return fqn in self.of
+
+    def __getitem__(self, fqn: str) -> torch.Tensor:
+        b = self.of[fqn]
+        if b is not self._bucket:
+            self._bucket, self._pieces = None, {}  # the previous bucket is freed before the next is gathered
+            src = b.shard.grad if self.grads else b.shard.detach()
+            src = torch.zeros_like(b.shard) if src is None else src
+            full = torch.empty(b.shard_numel * self.dp, dtype=src.dtype, device=src.device)
+            all_gather_single(full, src.contiguous(), group=resolve_group(self.group))
+            self._bucket, self._pieces = b, {self.canonical(n): v for n, v in b.unflatten(full).items()}
+        return self._pieces[fqn]

@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fxpar
 from fxpar import checkpoint, zoo
 from fxpar.ir.errors import PlanError
+from fxpar.safetensors_writer import parse_size
 from fxpar.testing import multiproc
-from fxpar.weights import parse_size
 
 TOL = 1e-5
 NAME = "llama"
@@ -188,7 +188,7 @@ def test_shard_sizes_follow_save_pretrained():
     hub = pytest.importorskip("huggingface_hub")
     state = {f"t{i}": torch.empty(n, dtype=torch.float32) for i, n in enumerate([10, 30, 5, 80, 20, 20, 1])}
     ref = hub.split_torch_state_dict_into_shards(state, max_shard_size=160)
-    from fxpar.weights import _shards
+    from fxpar.safetensors_writer import _shards
 
     ours = _shards([(k, tuple(v.shape), v.dtype) for k, v in state.items()], 160)
     names = list(state)

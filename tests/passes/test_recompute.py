@@ -133,12 +133,14 @@ def _grads_by_mode(plan: str, modes=MODES) -> dict:
     gradient difference from ``none``, and ``none``'s from one eager process."""
     batch = _batch(4)
     parsed = fxpar.Plan.parse(plan)
-    model = zoo.build("llama", seed=0)  # one model and one trace for every mode (SGD with lr=0 leaves it as is)
     per = 4 // ((parsed.microbatches or parsed.pp) * parsed.dp)
-    program = fxpar.trace(model, example_kwargs={k: v[:per] if isinstance(v, torch.Tensor) else v
-                                                 for k, v in batch.items()})
     grads, losses = {}, {}
     for mode in modes:
+        # the same weights and graph for every mode; a model and its trace each time, as ZeRO-3 takes the
+        # model's tensors (fxpar.weights.WeightSource.taking)
+        model = zoo.build("llama", seed=0)
+        program = fxpar.trace(model, example_kwargs={k: v[:per] if isinstance(v, torch.Tensor) else v
+                                                     for k, v in batch.items()})
         compiled = fxpar.compile(model, f"{plan},recompute={mode}", example_kwargs=batch,
                                  optimizer=lambda p: torch.optim.SGD(p, lr=0.0), program=program, timeout=120)
         losses[mode] = compiled.step(**batch).item()

@@ -104,10 +104,9 @@ def _training(steps: int) -> dict:
     program = fxpar.trace(model, example_kwargs={k: v[:2] if isinstance(v, torch.Tensor) else v
                                                  for k, v in batch.items()})
     out = {}
-    for key, extra in PLANS.items():
-        model.load_state_dict(initial)
+    for key, extra in PLANS.items():  # weights= the initial state: ZeRO-3 frees the trace's own tensors
         compiled = fxpar.compile(model, fxpar.Plan(dp=2, zero=3, mixed_precision="bf16", **extra),
-                                 example_kwargs=batch, optimizer=adamw, timeout=60, program=program)
+                                 example_kwargs=batch, optimizer=adamw, timeout=60, program=program, weights=initial)
         losses = [compiled.step(**batch).item() for _ in range(steps)]
         graph = compiled.pipeline.stages[0].gm
         buckets = [b for bs in compiled.zero3_buckets.values() for b in bs]
