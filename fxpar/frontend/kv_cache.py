@@ -70,9 +70,16 @@ def cache_off_for_trace(model: torch.nn.Module, values: dict[str, Any]) -> Itera
     """Within the block, ``use_cache`` is False on every config of ``model`` that had it true, unless the
     call (``values``, by parameter name) keeps the cache; restored on exit, on failure too. Yields the
     configs it turned off."""
-    saved = [] if keeps_cache(values) else [(c, c.use_cache) for c in _configs(model) if c.use_cache]
-    for config, _ in saved:
-        config.use_cache = False
+    saved = []
+    for config in [] if keeps_cache(values) else _configs(model):
+        value = config.use_cache
+        if not value:
+            continue
+        try:
+            config.use_cache = False
+        except (AttributeError, TypeError):  # a read-only use_cache: the model decides, as before
+            continue
+        saved.append((config, value))
     try:
         yield [config for config, _ in saved]
     finally:

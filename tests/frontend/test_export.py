@@ -181,6 +181,22 @@ def test_stock_config_traces_without_its_cache(name):
         assert (out.logits - want.logits).abs().max().item() <= TOL
 
 
+def test_cache_rule_reads_the_call():
+    """The cache stays on where the call gives past_key_values or use_cache=True; otherwise every config
+    holding a true use_cache (t5: the model's and the decoder's copy, not the encoder's False) is off."""
+    from fxpar.frontend.kv_cache import cache_off_for_trace, call_values
+
+    model = zoo.build("t5", stock=True)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    for values, off in (({"input_ids": ids}, 2), ({"input_ids": ids, "use_cache": False}, 2),
+                        ({"input_ids": ids, "past_key_values": None}, 2), ({"input_ids": ids, "use_cache": True}, 0),
+                        ({"input_ids": ids, "past_key_values": object()}, 0)):
+        with cache_off_for_trace(model, values) as turned:
+            assert len(turned) == off and model.config.use_cache is (off == 0), values
+        assert model.config.use_cache is True and model.decoder.config.use_cache is True
+    assert call_values(model, (ids, ids), {"labels": ids}) == {"input_ids": ids, "attention_mask": ids, "labels": ids}
+
+
 def test_a_failing_trace_restores_use_cache():
     """The configs turned off for a trace read True again when the trace fails; during it they read False."""
     model = zoo.build("t5", stock=True)
