@@ -4,7 +4,7 @@ MODEL is a ``save_pretrained`` directory (config.json, model.safetensors or shar
 index, and its tokenizer), a zoo name or an HF config.json. Data: ``--data FILE`` (plain text, JSON
 lines with a text field, chat JSON lines with ``messages``, parquet; packed into ``--seq`` windows or,
 with ``--no-pack``, padded), ``synthetic`` random tokens, or for models without a tokenizer a text file
-read as bytes. Files over 64 MiB are streamed (``--streaming auto|on|off``, ``--shuffle-buffer N``): each
+read as bytes. Files over 8 MiB are streamed (``--streaming auto|on|off``, ``--shuffle-buffer N``): each
 rank reads and tokenizes only its share. Optimisation as HF Trainer: AdamW with weight-decay groups,
 ``--lr-scheduler`` with ``--warmup``, ``--max-grad-norm``, ``--grad-accum``, ``--bf16``. ``--eval-data`` / ``--eval-every``:
 evaluation loss and perplexity. ``--metrics-out`` (JSON lines), ``--tensorboard`` (when installed).
@@ -53,7 +53,7 @@ def add_arguments(p) -> None:
                    help="one document per row, padded (default: documents packed into --seq windows)")
     p.add_argument("--streaming", default="auto", choices=("auto", "on", "off"),
                    help="read --data / --eval-data as streams, each rank reading and tokenizing only its share "
-                        "(auto: text / JSON-lines files over 64 MiB; off: every rank reads the file whole)")
+                        "(auto: text / JSON-lines files over 8 MiB; off: every rank reads the file whole)")
     p.add_argument("--shuffle-buffer", type=int, default=1000,
                    help="streamed data: documents in the seeded shuffle buffer (0: file order)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")

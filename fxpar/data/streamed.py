@@ -1,10 +1,11 @@
 """Data files read as streams: each rank reads and tokenizes only its share, in order, holding no file.
 
 Which path (``fxpar train --streaming auto|on|off``, :func:`use_streaming`): ``auto`` streams a file
-larger than ``STREAM_ABOVE`` (64 MiB) that can be streamed (plain text, one document per line, or JSON
+larger than ``STREAM_ABOVE`` (8 MiB) that can be streamed (plain text, one document per line, or JSON
 lines); a smaller one is read whole (:class:`fxpar.data.TokenDataset`: a full permutation per epoch,
-statistics of the whole file). A file read whole costs each rank about 15 times its size in memory
-(Arrow rows, Python strings, token lists, tensors); a streamed one a few MiB (docs/benchmarks.md).
+statistics of the whole file). A file read whole costs each rank about a hundred times its size in
+memory at its peak (Arrow rows, Python strings, the tokenizer's encodings, token lists, tensors: 2 GiB
+for 19 MiB of JSON lines), a streamed one nothing that grows with the file (docs/benchmarks.md).
 
 How: ``n`` readers (:class:`fxpar.data.reader.ShardReader`), reader ``j`` run by rank ``j mod world``,
 each reading only its chunks of the file. ``n`` divides the global batch: the greatest common divisor
@@ -44,7 +45,7 @@ from fxpar.data.reader import ShardReader
 from fxpar.data.spec import DataSpec
 from fxpar.ir.errors import PlanError
 
-STREAM_ABOVE = 64 << 20  # bytes: --streaming auto streams larger files
+STREAM_ABOVE = 8 << 20  # bytes: --streaming auto streams larger files
 MODES = ("auto", "on", "off")
 
 
