@@ -13,7 +13,10 @@ shard of the heads dim already gives each rank its heads' q, k and v.
 A piece is held *whole* by every rank when its size in *units* does not divide over the ranks. A
 piece's unit is read from its uses: a reshape that splits its dim into ``[n, d]`` makes ``d`` the
 unit (n heads), an op that needs the dim uncut (attention or a batched matmul over it, a slice, cat,
-reduction or norm over it) makes the whole piece one unit, elementwise ops and linears need none.
+reduction or norm over it) makes the whole piece one unit, elementwise ops and linears need none. A
+piece of unit 1 (``[gate | up]`` of an MLP width of 130 at tp=4) is cut into ``torch.chunk``'s shares
+where tp does not divide it (33, 33, 33, 31 of each piece); only one too small to give every rank a
+part is whole.
 Multi-query attention's one K/V head is then whole and its Q heads cut; so are grouped-query K/V
 with fewer heads than ranks. Ops of other families say what they need in :data:`PIECE_UNITS`.
 """
@@ -38,6 +41,7 @@ from fxpar.ir.op_classes import (
     is_pointwise,
     packet,
 )
+from fxpar.ir.placement import chunk_fits, chunk_sizes
 from fxpar.ir.program import Program
 
 aten = torch.ops.aten
@@ -76,18 +80,18 @@ class Fused:
     pieces: tuple[int, ...]
     whole: tuple[int, ...] = ()
 
-    def local(self, tp: int) -> list[int]:
-        """Each piece's size on one rank."""
-        return [p if i in self.whole else p // tp for i, p in enumerate(self.pieces)]
+    def local(self, tp: int, rank: int = 0) -> list[int]:
+        """Each piece's size on ``rank`` (``torch.chunk``'s share where tp does not divide a piece)."""
+        return [p if i in self.whole else chunk_sizes(p, tp)[rank] for i, p in enumerate(self.pieces)]
 
-    def local_pos(self, pos: int, tp: int) -> int:
-        """A position along ``dim`` (a piece boundary) on one rank."""
+    def local_pos(self, pos: int, tp: int, rank: int = 0) -> int:
+        """A position along ``dim`` (a piece boundary) on ``rank``."""
         out, start = 0, 0
         for i, p in enumerate(self.pieces):
             if pos <= start:
                 break
             take = min(pos - start, p)
-            out += take if i in self.whole else take // tp
+            out += take if i in self.whole else chunk_sizes(p, tp)[rank] if take == p else take // tp
             start += p
         return out
 
@@ -277,7 +281,8 @@ class _Walk:
             for i in range(len(self.pieces)):
                 if edges[i] < hi and edges[i + 1] > lo:
                     units[i] = math.lcm(units[i], u)
-        whole = {i for i, p in enumerate(self.pieces) if p % units[i] or (p // units[i]) % tp}
+        whole = {i for i, p in enumerate(self.pieces)  # unit 1: cut unevenly where tp does not divide
+                 if (not chunk_fits(p, tp) if units[i] == 1 else p % units[i] or (p // units[i]) % tp)}
         changed = True
         while changed:  # a cut output holds whole pieces only or cut pieces only
             changed = False

@@ -1,7 +1,8 @@
 """Dims the TP degree does not divide, cut unevenly (``torch.chunk``'s shares), end to end on gloo ranks
 against one process: a Llama vocabulary of 32,001 at tp=2, an MLP width of 130 at tp=4 and GPT-2's
 vocabulary of 50,257 (tied embedding and head) at tp=2, alone, with pp=2 and with dp=2 ZeRO-3 (losses
-and every parameter after each step); the vocabulary-parallel fused loss; checkpoints saved under an
+and every parameter after each step); the vocabulary-parallel fused loss, sequence parallelism, a fused
+``[gate | up]`` weight of 130 + 130 rows at tp=4; checkpoints saved under an
 uneven plan read back under tp=1 and another uneven split bitwise; ``export_hf`` in the model's own
 shapes, which ``from_pretrained`` loads to the same logits; greedy generation against HF ``generate``."""
 
@@ -33,6 +34,7 @@ MODELS = {
     "vocab": ("llama", dict(vocab_size=32001, hidden_size=32, intermediate_size=64)),
     "mlp": ("llama", dict(hidden_size=32, intermediate_size=130)),
     "gpt2": ("gpt2", dict(vocab_size=50257, n_embd=32, n_inner=64)),
+    "fused": ("phi3", dict(hidden_size=32, intermediate_size=130)),  # [gate | up] in one weight: 130 + 130 rows
 }
 
 
@@ -75,6 +77,8 @@ def train_all(cases: list[tuple[str, str]]) -> dict:
 SHARES = {"vocab": {"model.embed_tokens.weight": [16001, 16000], "lm_head.weight": [16001, 16000]},
           "gpt2": {"transformer.wte.weight": [25129, 25128]}}
 MLP4 = {f"model.layers.{i}.mlp.{p}_proj.weight": [33, 33, 33, 31] for i in range(2) for p in ("gate", "up", "down")}
+FUSED4 = {**{f"model.layers.{i}.mlp.gate_up_proj.weight": [66, 66, 66, 62] for i in range(2)},  # 33 + 33 of each
+          **{f"model.layers.{i}.mlp.down_proj.weight": [33, 33, 33, 31] for i in range(2)}}
 
 
 def _check(results: list[dict], expect: dict) -> None:
@@ -85,14 +89,16 @@ def _check(results: list[dict], expect: dict) -> None:
             assert all(got["uneven"].get(k) == v for k, v in expect[case].items()), (key, got["uneven"])
 
 
-def test_tp2_alone_and_with_the_fused_loss(pool2):
-    cases = [("vocab", "tp=2"), ("gpt2", "tp=2"), ("vocab", "tp=2,fused_loss=true")]
+def test_tp2_alone_with_the_fused_loss_and_sequence_parallel(pool2):
+    cases = [("vocab", "tp=2"), ("gpt2", "tp=2"), ("vocab", "tp=2,fused_loss=true"),
+             ("vocab", "tp=2,sequence_parallel=true")]
     _check(pool2.run(train_all, cases, timeout=300), SHARES)
 
 
 def test_uneven_tp2_with_pp2_and_zero3_and_tp4_alone(pool4):
-    cases = [(c, p) for c in ("vocab", "gpt2") for p in ("tp=2,pp=2", "dp=2,tp=2,zero=3")] + [("mlp", "tp=4")]
-    _check(pool4.run(train_all, cases, timeout=600), {**SHARES, "mlp": MLP4})
+    cases = [(c, p) for c in ("vocab", "gpt2") for p in ("tp=2,pp=2", "dp=2,tp=2,zero=3")] + \
+        [("mlp", "tp=4"), ("fused", "tp=4")]
+    _check(pool4.run(train_all, cases, timeout=600), {**SHARES, "mlp": MLP4, "fused": FUSED4})
 
 
 def test_mlp_width_130_at_tp4_with_pp2_and_zero3(pool8):

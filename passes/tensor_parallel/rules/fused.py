@@ -21,7 +21,7 @@ import torch
 
 from fxpar.ir import meta
 from fxpar.ir.op_classes import SPLITS, packet
-from fxpar.ir.placement import Replicate, Shard
+from fxpar.ir.placement import Replicate, Shard, chunk_sizes
 
 aten = torch.ops.aten
 
@@ -36,7 +36,7 @@ def cut(rw, old, args, kwargs):
     """The cut at this rank's offsets: each piece ``Shard(d)``, or ``Replicate()`` where it is whole."""
     fused, x, spans = rw.packing.cuts[old], args[0], rw.packing.spans[old]
     d, pkt, tp = fused.dim, packet(old), rw.tp
-    local = [(fused.local_pos(lo, tp), fused.local_pos(hi, tp)) for lo, hi in spans]
+    local = [(fused.local_pos(lo, tp, rw.rank), fused.local_pos(hi, tp, rw.rank)) for lo, hi in spans]
     if pkt in SPLITS:
         new = rw.call(aten.split_with_sizes.default, (x, [b - a for a, b in local], d), like=old, place=Shard(d))
         rw.item_place[new] = [Replicate() if fused.is_whole(*s) else Shard(d) for s in spans]
@@ -72,7 +72,7 @@ def scale_whole_rows(rw) -> None:
         if not whole or d != (0 if nd == 1 else nd - 1 if fqn in rw.transposed else nd - 2):
             continue  # not cut along its output features: no fused pieces
         pieces = rw.packing.params[fqn]
-        local = [p if i in whole else p // rw.tp for i, p in enumerate(pieces)]
+        local = [p if i in whole else chunk_sizes(p, rw.tp)[rw.rank] for i, p in enumerate(pieces)]
         parts = rw.call(aten.split_with_sizes.default, (new, local, d), like=old, place=Shard(d))
         items = [rw.call(operator.getitem, (parts, i), like=old, place=Shard(d))
                  for i in range(len(local))]

@@ -14,6 +14,7 @@ from fxpar.ir.function_op import is_function_node
 from fxpar.ir.op_classes import RESHAPES, SPLITS, packet
 from fxpar.ir.placement import Replicate, as_placement
 from fxpar.passes.tensor_parallel.layouts import (
+    linear_weight,
     reshape_dim,
     slice_bounds,
     split_args,
@@ -38,7 +39,7 @@ def view(rw, old, args, kwargs):
     dst = tuple(old.meta[meta.VAL].shape)
     od = reshape_dim(src, dst, d)
     fused = rw.packing.values.get(old)  # a fused value with whole pieces: its local size from them
-    local = sum(fused.local(rw.tp)) if fused is not None and od == fused.dim else None
+    local = sum(fused.local(rw.tp, rw.rank)) if fused is not None and od == fused.dim else None
     if od is not None and local is None and dst[od] < src[d] and rw.uneven(old.args[0], d) is not None:
         _split_uneven(rw, old, src, dst, d)
     if od is None or (local is None and dst[od] != src[d] and (dst[od] % rw.tp or rw.uneven(old.args[0], d))):
@@ -53,12 +54,15 @@ def view(rw, old, args, kwargs):
 def _split_uneven(rw, old, src, dst, d):
     """A dim tp does not divide, cut unevenly, reshaped into several (``[.., H * D]`` into ``[.., H, D]``):
     heads that do not divide over the ranks, which nothing can cut. A plan's style that asks for it is an
-    error, as it was before uneven cuts (the inference never cuts such a dim)."""
-    module = old.meta.get(meta.MODULE) or "(root)"
-    raise PlanError(f"{module}: {old.name} reshapes {src} into {dst}, splitting dim {d} ({src[d]}), which "
-                    f"tp={rw.tp} does not divide, into groups (heads) that cannot be cut apart; use a tp degree "
-                    f"that divides {src[d]}, or leave the layers that make it out of tp_plan (or mark them "
-                    f"'replicate')")
+    error, as it was before uneven cuts (the inference never cuts such a dim). The message names the layer
+    that made the value (the first linear-like node back along first inputs)."""
+    made = old.args[0]
+    while linear_weight(made)[0] is None and made.all_input_nodes:
+        made = made.all_input_nodes[0]
+    module = (made if linear_weight(made)[0] is not None else old).meta.get(meta.MODULE) or "(root)"
+    raise PlanError(f"{module}: its output reshaped by {old.name} from {src} into {dst} splits dim {d} ({src[d]}), "
+                    f"which tp={rw.tp} does not divide, into groups (heads) that cannot be cut apart; use a tp "
+                    f"degree that divides {src[d]}, or leave {module} out of tp_plan (or mark it 'replicate')")
 
 
 @rule(aten.transpose)

@@ -85,8 +85,11 @@ def test_bad_styles_and_globs_are_clear_errors():
         tensor_parallel(program, 2, 0, {"model.layers.*.mlp.up_proj": "diagonal"})
     with pytest.raises(PlanError, match="matches no module"):
         tensor_parallel(program, 2, 0, {"model.blocks.*.mlp": "colwise"})
-    with pytest.raises(PlanError, match="not divisible by tp=3"):
-        tensor_parallel(program, 3, 0, {"model.layers.*.mlp.up_proj": "colwise"})
+    small = zoo.build("llama", intermediate_size=5)  # at tp=4, torch.chunk's shares of 5 rows leave rank 3 none
+    program = fxpar.trace(small, example_kwargs=zoo.example_inputs("llama", small))
+    with pytest.raises(PlanError, match=r"5 rows along dim 0, not divisible by tp=4 and too few to give every rank "
+                                        r"a part \(torch.chunk's shares \[2, 2, 1, 0\]\).*tp degree in \[1, 2, 3, 5\]"):
+        tensor_parallel(program, 4, 0, {"model.layers.*.mlp.up_proj": "colwise"})
 
 
 @pytest.mark.parametrize("heads,kv,tp,message", [
