@@ -15,6 +15,7 @@ file, which tell text from chat and are checked before any rank communicates.
 
 from __future__ import annotations
 
+import codecs
 import json
 
 from fxpar.data.spec import DataSpec, row_document
@@ -38,7 +39,7 @@ def streamable(spec: DataSpec) -> str | None:
         return f"a text file split by {spec.sample_by} is read whole (streamed reading takes one document per line)"
     if builder == "json":
         with open(spec.path, "rb") as f:
-            first = f.read(4096).lstrip()[:1]
+            first = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()[:1]
         if first and first != b"{":
             return "the file is not JSON lines (one object per line; a JSON array is read whole)"
     return None
@@ -55,13 +56,18 @@ def kind_of(spec: DataSpec, first: dict | None) -> str:
     return "text"
 
 
-def parse(spec: DataSpec, kind: str, raw: bytes, where: str):
-    """The document of one line (None: a blank line or text, skipped); ``where`` names it in errors."""
+def decode(spec: DataSpec, raw: bytes, where: str) -> str:
+    """One line's text, without its line break (universal newlines) or a byte-order mark, as datasets reads it."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PlanError(f"data {spec.path}: {where} is not UTF-8 ({e})", fix="write the file as UTF-8") from e
-    line = line.rstrip("\n").rstrip("\r")  # universal newlines, as the text builder reads them
+    return line.rstrip("\n").rstrip("\r").lstrip("\ufeff")
+
+
+def parse(spec: DataSpec, kind: str, raw: bytes, where: str):
+    """The document of one line (None: a blank line or text, skipped); ``where`` names it in errors."""
+    line = decode(spec, raw, where)
     if not line.strip():
         return None
     if spec.builder() == "text":  # one column, "text", as the text builder makes it
@@ -94,9 +100,9 @@ def head(spec: DataSpec, rows: int = HEAD_ROWS) -> tuple[str, list, list[str]]:
                 break
             label = f"line {number}"
             if kind is None:
-                if not raw.strip():
+                if not decode(spec, raw, label).strip():
                     continue
-                first = None if spec.builder() == "text" else record(spec, raw.decode("utf-8", "replace"), label)
+                first = None if spec.builder() == "text" else record(spec, decode(spec, raw, label), label)
                 kind = kind_of(spec, first)
             doc = parse(spec, kind, raw, label)
             if doc is not None:

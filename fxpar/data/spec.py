@@ -4,8 +4,9 @@ A file is read with ``datasets.load_dataset(builder, data_files=path, split="tra
 keep_in_memory=True)``. ``load_dataset`` still prepares Arrow files in a cache directory first; several
 ranks read the same file at the same moment, so each process gets its own temporary ``cache_dir``
 (removed once the rows are in memory): no rank reads a half-written cache of another, nothing is left
-in the user's home, and a changed file is never served from a stale cache. Data files for fine-tuning
-are small, so every rank reads and tokenizes the whole file itself, deterministically.
+in the user's home, and a changed file is never served from a stale cache. A file read this way is
+read and tokenized whole by every rank, deterministically; large files are streamed instead, each
+rank reading only its rows (:mod:`fxpar.data.streamed`, with the row rules of :func:`row_document`).
 
 The format is told by ``format`` or, with ``"auto"``, by the file's suffix: ``.txt``/``.text`` are
 plain text (one document per non-empty line), ``.jsonl``/``.json`` JSON lines (the ``field`` column,

@@ -3,9 +3,9 @@
 Which path (``fxpar train --streaming auto|on|off``, :func:`use_streaming`): ``auto`` streams a file
 larger than ``STREAM_ABOVE`` (8 MiB) that can be streamed (plain text, one document per line, or JSON
 lines); a smaller one is read whole (:class:`fxpar.data.TokenDataset`: a full permutation per epoch,
-statistics of the whole file). A file read whole costs each rank about a hundred times its size in
-memory at its peak (Arrow rows, Python strings, the tokenizer's encodings, token lists, tensors: 2 GiB
-for 19 MiB of JSON lines), a streamed one nothing that grows with the file (docs/benchmarks.md).
+statistics of the whole file). A file read whole costs each rank over a hundred times its size in
+memory at its peak (Arrow rows, Python strings, the tokenizer's encodings, token lists, tensors: 2.1
+GiB for 16 MiB of JSON lines), a streamed one nothing that grows with the file (docs/benchmarks.md).
 
 How: ``n`` readers (:class:`fxpar.data.reader.ShardReader`), reader ``j`` run by rank ``j mod world``,
 each reading only its chunks of the file. ``n`` divides the global batch: the greatest common divisor

@@ -10,8 +10,8 @@ progress line; every rank takes part in the JSON-lines metrics and the evaluatio
 the data-parallel degree).
 
 Everything is checked before the first collective (the model directory, the tokenizer, the data files and
-their fields, the chat template, the sequence length against the model's maximum, the plan), so bad
-input is one clear error on every rank, not a hang.
+their fields (of a streamed file, its first rows), the chat template, the sequence length against the
+model's maximum, the plan), so bad input is one clear error on every rank, not a hang.
 
 Resuming (``--resume DIR``) reproduces the uninterrupted run: weights and optimizer states come from
 the checkpoint (each rank reads its own shards, under any plan), the schedule's state and the data

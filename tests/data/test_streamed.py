@@ -185,6 +185,11 @@ def test_streaming_rule_and_errors(files, tmp_path, monkeypatch):
     datasets.Dataset.from_list([{"text": "a"}]).to_parquet(str(tmp_path / "t.parquet"))
     with pytest.raises(PlanError, match="parquet files are read whole"):
         StreamedDataset(DataSpec(tmp_path / "t.parquet"), tok)
+    bom = tmp_path / "bom.jsonl"  # a byte-order mark, as datasets reads it
+    bom.write_bytes(b"\xef\xbb\xbf" + (root / "docs.jsonl").read_bytes())
+    assert use_streaming(DataSpec(bom), "on")
+    first = next(StreamedBatches(StreamedDataset(DataSpec(bom, seq=8), tok, shuffle_buffer=0), 2))
+    assert _equal(first, next(Batches(TokenDataset(DataSpec(bom, seq=8), tok), 2, shuffle=False)))
     # the first rows are checked on construction: a missing field, chat without a template
     notes = tmp_path / "notes.jsonl"
     notes.write_text("".join(json.dumps({"body": f"note {i}"}) + "\n" for i in range(8)))
