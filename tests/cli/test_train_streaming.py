@@ -59,6 +59,13 @@ def _batches(model, path: str, steps: int, readers: int | None = None) -> dict:
             "own": sorted(stream.own), "state": stream.state_dict()}
 
 
+def _eval_rows(model, path: str) -> list[dict]:
+    """The streamed evaluation batches of 6 padded rows, on this rank."""
+    from fxpar.data import DataSpec, StreamedDataset, eval_batches, load_tokenizer
+
+    return list(eval_batches(StreamedDataset(DataSpec(path, seq=128, pack=False), load_tokenizer(model)), 6))
+
+
 def _bad_row(model, path: str) -> str:
     from fxpar.data import DataSpec, StreamedBatches, StreamedDataset, load_tokenizer
     from fxpar.ir.errors import PlanError
@@ -89,6 +96,18 @@ def test_each_rank_reads_its_share_and_all_hold_the_same_batches(pool4, setup):
         assert taken <= g["tokenized"] <= taken + 64 + 64  # + the shuffle buffer's fill and one read-ahead
         assert g["tokenized"] < docs / 20 and g["bytes"] < size / 20
     assert sum(g["tokenized"] for g in got) == one["tokenized"]  # no row tokenized twice across ranks
+    # evaluation: the same batches on every rank, each document once over the readers, the rest filler
+    small = root / "small.jsonl"
+    evals = pool4.run(_eval_rows, str(model), str(small))
+    assert all(len(e) == len(evals[0]) and all((a[k] == b[k]).all() for a, b in zip(e, evals[0]) for k in a)
+               for e in evals)
+    from fxpar.data import DataSpec, TokenDataset, load_tokenizer
+
+    whole = TokenDataset(DataSpec(small, seq=128, pack=False), load_tokenizer(model))
+    rows = sorted(tuple(r[m == 1].tolist()) for b in evals[0] for r, m in zip(b["input_ids"], b["attention_mask"])
+                  if m.any())
+    assert rows == sorted(tuple(r[m == 1].tolist()) for r, m in zip(whole.take(range(len(whole)))["input_ids"],
+                                                                   whole.take(range(len(whole)))["attention_mask"]))
     # a bad row far into the file: every rank raises its message (naming the rank that read it)
     bad = root / "bad.jsonl"
     lines = [json.dumps({"text": t}) for t in texts(400)]
@@ -113,7 +132,7 @@ def _train(argv: list[str]) -> dict:
     kind = run.stream.state_dict()["kind"]
     losses = run.run()
     return {"losses": losses, "data_equal": saved == run.data_start if saved else None, "kind": kind,
-            "epoch": run.stream.batches.epoch}
+            "epoch": run.stream.batches.epoch, "evals": [e["eval_loss"] for e in run.evals]}
 
 
 @pytest.mark.slow
@@ -121,7 +140,8 @@ def _train(argv: list[str]) -> dict:
 def test_streamed_training_resumes_mid_epoch_with_the_same_losses(pool4, setup, tmp_path):
     _, model, small, _ = setup
     argv = [str(model), "--plan", "dp=2,tp=2", "--data", str(small), "--streaming", "on", "--shuffle-buffer", "3",
-            "--seq", "16", "--batch", "8", "--grad-accum", "2", "--steps", "6", "--lr", "3e-3", "--seed", "1"]
+            "--seq", "16", "--batch", "8", "--grad-accum", "2", "--steps", "6", "--lr", "3e-3", "--seed", "1",
+            "--eval-data", str(small), "--eval-every", "-1"]
     ckpt = str(tmp_path / "ckpt")
     whole = pool4.run(_train, argv + ["--save", ckpt, "--save-every", "3"])
     assert all(w["kind"] == "streamed" and w["losses"] == whole[0]["losses"] for w in whole)
@@ -137,3 +157,5 @@ def test_streamed_training_resumes_mid_epoch_with_the_same_losses(pool4, setup, 
     print("uninterrupted:", whole[0]["losses"], "\nresumed at 3:", resumed[0]["losses"])
     assert all(r["data_equal"] for r in resumed)
     assert resumed[0]["losses"] == whole[0]["losses"][3:]  # exactly
+    # the streamed evaluation file: the same loss at the end of both runs, lower than before training
+    assert resumed[0]["evals"][-1] == whole[0]["evals"][-1] < whole[0]["evals"][0]
