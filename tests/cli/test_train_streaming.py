@@ -142,9 +142,12 @@ def test_streamed_training_resumes_mid_epoch_with_the_same_losses(pool4, setup, 
     argv = [str(model), "--plan", "dp=2,tp=2", "--data", str(small), "--streaming", "on", "--shuffle-buffer", "3",
             "--seq", "16", "--batch", "8", "--grad-accum", "2", "--steps", "6", "--lr", "3e-3", "--seed", "1",
             "--eval-data", str(small), "--eval-every", "-1"]
-    ckpt = str(tmp_path / "ckpt")
-    whole = pool4.run(_train, argv + ["--save", ckpt, "--save-every", "3"])
+    ckpt, metrics = str(tmp_path / "ckpt"), tmp_path / "metrics.jsonl"
+    whole = pool4.run(_train, argv + ["--save", ckpt, "--save-every", "3", "--metrics-out", str(metrics)])
     assert all(w["kind"] == "streamed" and w["losses"] == whole[0]["losses"] for w in whole)
+    counts = [(r["data_documents"], r["data_tokens"]) for r in map(json.loads, metrics.read_text().splitlines())
+              if "loss" in r]  # what the readers have taken so far, for the metrics
+    assert len(counts) == 6 and counts == sorted(counts) and counts[0][0] > 0 and counts[-1][1] >= 6 * 16 * 16
     assert whole[0]["epoch"] >= 1, "the run should cross an epoch boundary"
     (tmp_path / "ckpt" / "latest").write_text("step_00000003\n")  # it also saved at 6
     from fxpar import checkpoint
@@ -159,3 +162,25 @@ def test_streamed_training_resumes_mid_epoch_with_the_same_losses(pool4, setup, 
     assert resumed[0]["losses"] == whole[0]["losses"][3:]  # exactly
     # the streamed evaluation file: the same loss at the end of both runs, lower than before training
     assert resumed[0]["evals"][-1] == whole[0]["evals"][-1] < whole[0]["evals"][0]
+
+
+def test_bad_streamed_data_fails_before_any_communication(setup, tmp_path, monkeypatch, capsys):
+    """A streamed file's first rows are checked before the process group is joined (exit code 2)."""
+    import fxpar.launch
+    from fxpar.cli import train
+
+    def trap(*a, **k):
+        raise AssertionError("init_distributed was reached: the error came after communication could start")
+
+    monkeypatch.setattr(fxpar.launch, "init_distributed", trap)
+    _, model, _, _ = setup
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts(50)))
+    assert train.main([str(model), "--data", str(notes), "--streaming", "on"]) == 2
+    err = capsys.readouterr().err
+    assert str(notes) in err and "line 1 has no text field 'text'" in err and "--field" in err
+    array = tmp_path / "array.json"  # not JSON lines: --streaming on says why it cannot stream it
+    array.write_text(json.dumps([{"text": t} for t in texts(50)]))
+    assert train.main([str(model), "--data", str(array), "--streaming", "on"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot stream it: the file is not JSON lines" in err and "--streaming off" in err
