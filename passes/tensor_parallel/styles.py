@@ -9,7 +9,8 @@ the graph (a "gather_output" or "split_input" variant gathers only where a consu
 
 :func:`styles_for` is what the pass uses: a user's plan as given; a model's own plan completed, for the
 modules it does not name, by :func:`infer_styles` (:mod:`.inference`, then the carriers walk here); no
-plan, everything inferred. Inferred styles that do not divide by tp leave their weights whole.
+plan, everything inferred. A dim tp does not divide is cut into ``torch.chunk``'s shares; inferred styles
+whose dim is too small to give every rank a part leave their weights whole.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ STYLES = tuple(s for family in (COLWISE, ROWWISE, VOCAB, EMBEDDING_COLWISE, MARK
 
 class Styles(dict):
     """Module (or parameter) FQN -> style, as the pass uses them. ``inferred``: the keys whose style came
-    from the graph rather than a plan (a cut that does not divide by tp leaves those whole instead of
-    raising); ``skipped``: module -> why a candidate the inference found stays whole (heads or features
-    that do not divide)."""
+    from the graph rather than a plan (a cut too small for a part on every rank leaves those whole instead
+    of raising); ``skipped``: module -> why a candidate the inference found stays whole (heads that do not
+    divide, features too few for the ranks)."""
 
     def __init__(self, *args, inferred: set[str] | None = None, skipped: dict[str, str] | None = None):
         super().__init__(*args)
