@@ -36,6 +36,7 @@ from fxpar.report.tp_coverage import warn_if_replicated
 from fxpar.runtime import liveness
 from fxpar.runtime.grad_norm import check_max_grad_norm
 from fxpar.runtime.groups import mesh_groups
+from fxpar.runtime.memtrack import trim_heap
 from fxpar.runtime.model import CompiledModel
 from fxpar.weights import WeightSource, check_not_taken
 
@@ -144,7 +145,11 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     ``FXPAR_TIMEOUT``). ``program``: an ``fxpar.trace`` of ``model`` on one microbatch, to compile one
     trace for several plans without tracing again. ``weights``: for a model built on the meta device,
     where each rank's shards come from: a state dict with the model's FQNs, safetensors path(s), or
-    ``"init"`` (the model's initialiser); see :mod:`fxpar.weights`.
+    ``"init"`` (the model's initialiser); see :mod:`fxpar.weights`. Under ZeRO-3 (``zero=3``) a rank holds
+    only its shards: with ``weights=`` each rank reads only its slices; a model built on a device has its
+    tensors taken (:meth:`fxpar.weights.WeightSource.taking`): the module is left with meta tensors of the
+    same shapes (ties kept) and the full tensors are freed once sharded, as FSDP2's ``fully_shard`` frees
+    them; compiling the same module again then needs ``weights=``.
 
     Under torchrun without a process group, ``compile`` joins it (:func:`fxpar.launch.init_distributed`);
     ``device=None`` is where the model's weights are, or for a meta-device model the device
@@ -194,6 +199,7 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
                             timeout=timeout, program=program, weights=weights, dry=False,
                             max_grad_norm=max_grad_norm, groups=groups)
     compiled.autoplan = chosen if is_auto else None  # the ranked alternatives, for inspection
+    trim_heap()  # what compiling freed goes back to the system, not kept as the heap's high-water mark
     return compiled
 
 

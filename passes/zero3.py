@@ -18,6 +18,7 @@ ZeRO-3 is this pass and ``fxpar.runtime.zero3``, nothing else. A bucket's flat l
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -104,9 +105,13 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
     order = [n.target for n in graph.nodes if n.op == "get_attr" and n.target in getters]
     tensors = {name: gm.get_parameter(name) for name in order}
     trainable = [n for n in order if tensors[n].requires_grad]
+    position = _position(graph)
+    groups = buckets_of(trainable, tensors, bucket_bytes, group_of)
+    # the node that first reads each bucket's parameters, and the buckets in the order the graph reads them
+    first_use = [min((u for n in names for u in getters[n].users), key=position) for names in groups]
+    order = sorted(range(len(groups)), key=lambda i: position(first_use[i]))
     buckets = []
-    gathers: list[torch.fx.Node] = []
-    for i, names in enumerate(buckets_of(trainable, tensors, bucket_bytes, group_of)):
+    for i, names in enumerate(groups):
         key = tuple(names)
         bucket = cache.get(key)
         if bucket is None:
@@ -114,39 +119,51 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
             bucket = cache[key] = Zero3Bucket(names, ts, dp, rank, _reader(names, ts, load_flat),
                                               device if ts[0].is_meta and device is not None else ts[0].device)
         buckets.append(bucket)
-        attr = f"_zero3_{len(buckets) - 1}"
-        gm.register_parameter(attr, bucket.shard)
-        first_use = min((u for n in names for u in getters[n].users), key=_position(graph))
-        anchor = gathers[-prefetch] if prefetch and len(gathers) >= prefetch else None
-        with graph.inserting_before(first_use if anchor is None else anchor.next):
+        gm.register_parameter(f"_zero3_{i}", bucket.shard)
+    for k, i in enumerate(order):
+        bucket, names, attr = buckets[i], groups[i], f"_zero3_{i}"
+        # issued where the bucket ``prefetch`` places earlier in the graph's order starts being read
+        anchor = first_use[order[k - prefetch]] if prefetch and k >= prefetch else first_use[i]
+        with graph.inserting_before(anchor):
             shard = graph.get_attr(attr)
             args = (shard, group, 0, compute_dtype) + ((comm_dtype,) if comm_dtype else ())
             full = graph.call_function(gather_params_op(), args)
-            full.meta[meta.ZERO3_BUCKET] = key
+            full.meta[meta.ZERO3_BUCKET] = tuple(names)
         # shapes on the new nodes (meta tensors), as every other node carries them
         shard.meta[meta.VAL] = torch.empty_like(bucket.shard, device="meta")
         dtype = compute_dtype or bucket.shard.dtype
         full.meta[meta.VAL] = torch.empty(bucket.shard_numel * dp, dtype=dtype, device="meta")
-        gathers.append(full)
-        with graph.inserting_after(full):
-            cursor = full
-            for name, off, k, shape in zip(names, bucket.offsets, bucket.numels, bucket.shapes):
-                with graph.inserting_after(cursor):
-                    piece = graph.call_function(aten.slice.Tensor, (full, 0, off, off + k))
-                with graph.inserting_after(piece):
-                    view = graph.call_function(aten.view.default, (piece, list(shape)))
-                piece.meta[meta.VAL] = torch.empty(k, dtype=dtype, device="meta")
-                view.meta[meta.VAL] = torch.empty(shape, dtype=dtype, device="meta")
-                for m in (meta.MODULE, meta.NN_MODULE_STACK):
-                    if m in getters[name].meta:
-                        view.meta[m] = getters[name].meta[m]
-                cursor = view
-                getters[name].replace_all_uses_with(view)
-                graph.erase_node(getters[name])
-                _delete_param(gm, name)
+        _unflatten(graph, gm, full, bucket, getters, dtype)
     graph.lint()
     gm.recompile()
     return buckets
+
+
+def _unflatten(graph: torch.fx.Graph, gm: torch.fx.GraphModule, full: torch.fx.Node, bucket: Zero3Bucket,
+               getters: dict[str, torch.fx.Node], dtype: torch.dtype) -> None:
+    """Each parameter of the gathered bucket ``full`` as a view of it, replacing its ``get_attr``: one
+    ``split_with_sizes`` (the padding its last piece), then a ``view`` per parameter. One split, not a
+    slice per parameter: the backward of a slice makes a zero tensor of the whole bucket for each
+    parameter, the split's backward concatenates their gradients into one."""
+    sizes = bucket.numels + ([bucket.padding] if bucket.padding else [])
+    with graph.inserting_after(full):
+        split = graph.call_function(aten.split_with_sizes.default, (full, sizes))
+    split.meta[meta.VAL] = [torch.empty(k, dtype=dtype, device="meta") for k in sizes]
+    cursor = split
+    for j, (name, k, shape) in enumerate(zip(bucket.names, bucket.numels, bucket.shapes)):
+        with graph.inserting_after(cursor):
+            piece = graph.call_function(operator.getitem, (split, j))
+        with graph.inserting_after(piece):
+            view = graph.call_function(aten.view.default, (piece, list(shape)))
+        piece.meta[meta.VAL] = split.meta[meta.VAL][j]
+        view.meta[meta.VAL] = torch.empty(shape, dtype=dtype, device="meta")
+        for m in (meta.MODULE, meta.NN_MODULE_STACK):
+            if m in getters[name].meta:
+                view.meta[m] = getters[name].meta[m]
+        cursor = view
+        getters[name].replace_all_uses_with(view)
+        graph.erase_node(getters[name])
+        _delete_param(gm, name)
 
 
 def _reader(names: list[str], tensors: list[torch.Tensor], load_flat) -> Callable[[int, int, int], torch.Tensor]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import operator
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -131,7 +132,7 @@ def mark_regather(graph: torch.fx.Graph) -> int:
             n = todo.pop()
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta.setdefault("ac_graph_id", region)
-            todo.extend(u for u in n.users if getattr(u.target, "is_view", False))
+            todo.extend(u for u in n.users if getattr(u.target, "is_view", False) or u.target is operator.getitem)
     return marked
 
 

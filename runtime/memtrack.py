@@ -29,13 +29,17 @@ from collections.abc import Iterable
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-__all__ = ["PeakMemory", "live_tensors", "storage_bytes"]
+__all__ = ["PeakMemory", "live_tensors", "storage_bytes", "trim_heap"]
 
 
 def _storage(t: torch.Tensor, device: str | None):
-    """The untyped storage of ``t`` if it has one on a counted device (never meta), else None."""
+    """The untyped storage of ``t`` if it has one on a counted device (never meta), else None. A wrapper
+    subclass (DTensor) reports a storage of its global size that holds nothing: its inner tensors are
+    counted, not it."""
+    if is_traceable_wrapper_subclass(t):
+        return None
     try:
         st = t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, wrapper subclasses without storage
@@ -44,6 +48,25 @@ def _storage(t: torch.Tensor, device: str | None):
     if kind == "meta" or (device is not None and kind != device):
         return None
     return st
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the operating system (glibc's ``malloc_trim``; a no-op
+    elsewhere). Compiling frees far more than it keeps (traces, loaded slices, a taken model's tensors),
+    and glibc returns freed memory below its dynamic mmap threshold only when the top of the heap is free,
+    so a process would otherwise hold the compile's high-water mark: measured on a 168M Llama at dp=4
+    ZeRO-3 (bench/memory_vs_peers.py), about 35 MB per rank."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        trim = None
+    if trim is not None:
+        gc.collect()
+        trim(0)
 
 
 def live_tensors() -> list[torch.Tensor]:

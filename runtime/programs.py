@@ -19,6 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fxpar.ir.batch import batch_size, signature
+from fxpar.runtime.memtrack import trim_heap
 
 log = logging.getLogger("fxpar")
 
@@ -49,6 +50,8 @@ class ProgramCache:
                      self.compiled + 1, shapes, setup.batch, setup.dp, setup.microbatches, setup.microbatch_size)
             result = self.build(flat, spec, setup, program)
             hit = (result, self.runtime(result), setup)
+            if self.compiled:  # a later signature, mid-run: what its compile freed goes back to the system
+                trim_heap()
             self.compiled += 1
             self.first = self.first or key
         self.entries[key] = hit

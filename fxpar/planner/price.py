@@ -352,8 +352,6 @@ def _per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, dp_inter: 
             mem = state_bytes(n, plan.zero, dp, ADAM_STATES)
             if plan.zero == 2 and m > 1:  # gradients accumulate whole over the microbatches
                 mem["grads"] += 4 * n
-            if plan.zero == 3 and dp > 1:  # fxpar keeps each rank's full (TP/PP-local) parameters beside its
-                mem["params"] += 4 * n  # shards: the model's own tensors, or those weights= loaded (a known limit)
             opt = p.optimizer_time(n // dp if plan.zero else n, ADAM_BYTES)
             got = per_n[n] = (red, last, gather, mem, sum(mem.values()), opt)
         red, last, gather, mem, held, opt = got

@@ -68,9 +68,9 @@ def test_zero_stages_lower_memory_in_order():
     c, p = costs(), profile()
     mem = [price_plan(c, Plan(dp=4, zero=z), p, global_batch=4).memory for z in (0, 1, 2, 3)]
     states = [m["params"] + m["grads"] + m["optimizer"] for m in mem]
-    # ZeRO-3 shards the parameters, but fxpar keeps each rank's full ones beside the shards (priced as it is):
-    # its states equal ZeRO-2's
-    assert states[:3] == sorted(states[:3], reverse=True) and len(set(states[:3])) == 3 and states[3] == states[2]
+    # each stage shards one more kind of state: ZeRO-3 holds only its parameter shards
+    assert states == sorted(states, reverse=True) and len(set(states)) == 4
+    assert mem[3]["params"] == mem[3]["grads"] == 4 * c.params // 4
     assert mem[0]["optimizer"] == 8 * c.params and mem[1]["optimizer"] == 2 * c.params
     assert [m["total"] for m in mem] == sorted((m["total"] for m in mem), reverse=True)
 
