@@ -114,7 +114,7 @@ def test_mlp_width_130_at_tp4_with_pp2_and_zero3(pool8):
 
 def save_reload_export(directory: str) -> dict:
     """Train under tp=2 x pp=2 (vocabulary 32,001) and save; read the checkpoint into a meta model under
-    dp=4 (tp=1) and tp=4 (shares 8001 x 3 + 7998); export to HF format."""
+    dp=4 (tp=1) and tp=4 (shares 8001 x 3 + 7998); export to HF format, and read the export under tp=4."""
     batch = batch_of("vocab")
     run = fxpar.compile(build("vocab"), "tp=2,pp=2", example_kwargs=batch, optimizer=adamw, timeout=120)
     for _ in range(STEPS):
@@ -138,12 +138,16 @@ def save_reload_export(directory: str) -> dict:
     out["logits_shape"] = tuple(logits.shape)
     with safe_open(os.path.join(export, "model.safetensors"), framework="pt") as f:
         out["shapes"] = {k: tuple(f.get_slice(k).get_shape()) for k in ("model.embed_tokens.weight", "lm_head.weight")}
+    from_export = fxpar.compile(build("vocab", "meta"), "tp=4", example_kwargs=batch, optimizer=adamw, weights=export,
+                                timeout=120)  # each rank reads its share of the safetensors entries
+    full = from_export.full_state_dict()
+    out["from export"] = [k for k in saved if not torch.equal(full[k], saved[k])]
     return out
 
 
 def test_checkpoint_reloads_under_other_plans_and_exports(tmp_path, pool4):
     for r in pool4.run(save_reload_export, str(tmp_path / "ckpt"), timeout=600):
-        assert r["dp=4"] == [] and r["tp=4"] == [], "weights changed across plans"
+        assert r["dp=4"] == [] and r["tp=4"] == [] and r["from export"] == [], "weights changed across plans"
         assert r["tp=4 uneven"]["lm_head.weight"] == [8001, 8001, 8001, 7998] and r["dp=4 uneven"] == {}
         assert r["shapes"] == {"model.embed_tokens.weight": (32001, 32), "lm_head.weight": (32001, 32)}
         assert r["logits_shape"][-1] == 32001 and r["export_logits"] <= TOL, r
