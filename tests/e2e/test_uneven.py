@@ -1,10 +1,11 @@
 """Dims the TP degree does not divide, cut unevenly (``torch.chunk``'s shares), end to end on gloo ranks
 against one process: a Llama vocabulary of 32,001 at tp=2, an MLP width of 130 at tp=4 and GPT-2's
-vocabulary of 50,257 (tied embedding and head) at tp=2, alone, with pp=2 and with dp=2 ZeRO-3 (losses
-and every parameter after each step); the vocabulary-parallel fused loss, sequence parallelism, a fused
-``[gate | up]`` weight of 130 + 130 rows at tp=4; checkpoints saved under an
-uneven plan read back under tp=1 and another uneven split bitwise; ``export_hf`` in the model's own
-shapes, which ``from_pretrained`` loads to the same logits; greedy generation against HF ``generate``."""
+vocabulary of 50,257 (tied embedding and head) at tp=2, alone, with pp=2 and with dp=2 ZeRO-3 (losses,
+every parameter after each step, the global gradient norm); the vocabulary-parallel fused loss, sequence
+parallelism, a fused ``[gate | up]`` weight of 130 + 130 rows at tp=4; a checkpoint saved under an
+uneven plan read back bitwise under tp=1 and under another uneven split; ``export_hf`` in the model's
+own shapes, which ``from_pretrained`` loads to the same logits and tp=4 reads back; greedy generation
+against HF ``generate``."""
 
 from __future__ import annotations
 
