@@ -115,7 +115,8 @@ def test_mlp_width_130_at_tp4_with_pp2_and_zero3(pool8):
 
 def save_reload_export(directory: str) -> dict:
     """Train under tp=2 x pp=2 (vocabulary 32,001) and save; read the checkpoint into a meta model under
-    dp=4 (tp=1) and tp=4 (shares 8001 x 3 + 7998); export to HF format, and read the export under tp=4."""
+    dp=4 (tp=1), tp=4 (shares 8001 x 3 + 7998) and dp=2 x tp=2 ZeRO-3; export to HF format, and read the
+    export under tp=4."""
     batch = batch_of("vocab")
     run = fxpar.compile(build("vocab"), "tp=2,pp=2", example_kwargs=batch, optimizer=adamw, timeout=120)
     for _ in range(STEPS):
@@ -123,7 +124,7 @@ def save_reload_export(directory: str) -> dict:
     path = checkpoint.save(run, directory, STEPS)
     saved = run.full_state_dict()
     out = {}
-    for plan in ("dp=4", "tp=4"):
+    for plan in ("dp=4", "tp=4", "dp=2,tp=2,zero=3"):  # ZeRO-3: each rank reads only its bucket entries
         loaded = fxpar.compile(build("vocab", "meta"), plan, example_kwargs=batch, optimizer=adamw,
                                weights=checkpoint.model_source(path), timeout=120)
         full = loaded.full_state_dict()
@@ -148,7 +149,7 @@ def save_reload_export(directory: str) -> dict:
 
 def test_checkpoint_reloads_under_other_plans_and_exports(tmp_path, pool4):
     for r in pool4.run(save_reload_export, str(tmp_path / "ckpt"), timeout=600):
-        assert r["dp=4"] == [] and r["tp=4"] == [] and r["from export"] == [], "weights changed across plans"
+        assert r["dp=4"] == r["tp=4"] == r["dp=2,tp=2,zero=3"] == r["from export"] == [], "weights changed across plans"
         assert r["tp=4 uneven"]["lm_head.weight"] == [8001, 8001, 8001, 7998] and r["dp=4 uneven"] == {}
         assert r["shapes"] == {"model.embed_tokens.weight": (32001, 32), "lm_head.weight": (32001, 32)}
         assert r["logits_shape"][-1] == 32001 and r["export_logits"] <= TOL, r
