@@ -254,7 +254,8 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
     device_mesh = None if dry or mesh.world_size == 1 else mesh_groups(mesh, device.type, dp_axis)  # communicates
     return CompiledModel(builder, model, plan, mesh, setup, actions, example_args, example_kwargs, optimizer,
                          device=device, timeout=timeout, device_mesh=device_mesh, program=program, dry=dry,
-                         predict_memory=lambda n, states: memory_per_rank(n, plan.zero, plan.dp, states),
+                         predict_memory=lambda n, states: memory_per_rank(n, plan.zero, plan.dp, states,
+                                                                          plan.dp_replicate),
                          lower_collectives=lower_collectives,  # for Plan(compile=True); runtime never imports passes
                          max_grad_norm=max_grad_norm, param_groups=groups)
 

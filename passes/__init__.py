@@ -64,7 +64,8 @@ def _split(program: Program, ctx: PassContext) -> PipelineProgram:
 
 def _zero3(stage, ctx: PassContext):
     plan = ctx.plan
-    buckets = zero3(stage.gm, stage.params, ctx.mesh.dp, ctx.mesh.dp_rank, group=ctx.group("dp"),
+    mesh = ctx.mesh  # sharded over the shard group: all of dp, or with HSDP (dp_replicate > 1) dp / dp_replicate
+    buckets = zero3(stage.gm, stage.params, mesh.dp_shard, mesh.dp_shard_rank, group=mesh.shard_group_name(),
                     bucket_bytes=int((plan.bucket_mb or 0) * 2**20), prefetch=plan.prefetch,
                     cache=ctx.shared.setdefault("zero3", {}),
                     group_of=ctx.param_group,

@@ -24,6 +24,19 @@ over the dp group (no division).
 * zero=3: parameters are shards already (``fxpar.passes.zero3``); the gathers' backward reduce-scatters
   the gradients, so the optimizer steps the shards directly (the regathering for backward is
   ``fxpar.runtime.zero3``'s).
+* HSDP (``Plan(dp_replicate=R)``; ``replicate=`` here): buckets shard over the shard group (``dp`` is its
+  size, ``group`` its name) and every shard has ``R`` copies, one per replica group. Traffic inside the
+  shard group is a full bucket per collective, across replicas only a shard (1/dp of it), which is why
+  the shard groups are the ranks inside a node. The collectives of a step, per stage:
+  zero=3: the graph's gathers and reduce-scatters inside the shard group, then each shard's gradient
+  all-reduced across the replicas (:meth:`finish`).
+  zero=2: each bucket reduce-scattered inside the shard group as it fills (gloo, which has no
+  reduce-scatter, all-reduces and slices: the same result, twice the traffic), each shard all-reduced
+  across the replicas, the updated shards all-gathered inside the shard group.
+  zero=1: as zero=2, plus the reduced shards all-gathered back into the whole bucket inside the shard
+  group before the step: ZeRO-1 keeps the whole, fully reduced gradients as without HSDP (the parameters'
+  ``.grad`` are views of the bucket). That is a hierarchical all-reduce (the replicas exchange 1/dp of
+  the bucket instead of all of it, as a flat all-reduce over every dp rank would).
 
 Buckets use the flat layout of :class:`~fxpar.ir.buckets.FlatBucket`, the one ZeRO-3's buckets use.
 With optimizer parameter groups (:class:`~fxpar.ir.optim.ParamGroups`) a bucket holds one group's
@@ -43,6 +56,8 @@ import torch.distributed as dist
 
 from fxpar.ir.buckets import FlatBucket
 from fxpar.ir.optim import ParamGroups, check_optimizer, make_optimizer
+from fxpar.runtime.collectives import _backend_of as backend_of
+from fxpar.runtime.collectives import _reduce_scatter_single as reduce_scatter_single
 from fxpar.runtime.collectives import all_gather_single
 from fxpar.runtime.groups import resolve_group
 
@@ -56,6 +71,7 @@ class _Bucket(FlatBucket):
         self.lo, self.hi = self.shard_range(rank)
         self.keep = keep  # the flat buffer lives from step to step (zero=0/1; zero=2 frees it)
         self.work = None  # the async collective in flight
+        self.part: torch.Tensor | None = None  # HSDP: this rank's reduced shard of the gradients (or None)
         self.flat: torch.Tensor | None = None  # the gradients, flat (padding zero)
         self.filled: set[int] = set()  # positions whose gradient is in ``flat`` this step
         self.waiting = 0  # gradients still to become final before the bucket can go
@@ -96,12 +112,14 @@ class DataParallelEngine:
                  rank: int, zero: int, group: str = "dp", bucket_bytes: int = 25 * 2**20, overlap: bool = True,
                  offload: bool = False, first_bucket_bytes: int | None = None,
                  param_groups: ParamGroups | None = None, group_of: dict[int, int] | None = None,
-                 reduce_group=None):
+                 reduce_group=None, replicate: tuple[str, int] | None = None):
         """``param_groups``: the model's groups; ``group_of``: id(parameter) -> its group (with them).
         ``reduce_group``: parameter -> ``(group name, size, this rank's index)`` it is reduced over, where
         that is not ``(group, dp, rank)`` (expert parallelism: an expert slice over dp only); buckets
-        never mix reduction groups, each shards over its own."""
+        never mix reduction groups, each shards over its own. ``replicate``: HSDP's ``(group name, size)``
+        of the copies of this rank's shards (``dp`` and ``group`` are then the shard group's)."""
         self.dp, self.rank, self.zero, self.group = dp, rank, zero, group
+        self.replicate = replicate if replicate is not None and replicate[1] > 1 else None
         self.overlap = overlap  # (offload with zero other than 1 or 2 is refused by Plan itself)
         self.home = torch.device("cpu") if offload else None  # where shards and optimizer states live
         named = [(n, p) for n, p in named_params if p.requires_grad]
@@ -132,7 +150,8 @@ class DataParallelEngine:
             self.optimizer = make_optimizer(optimizer_factory, self.params, param_groups, list(map(group, self.params)))
         if self.optimizer is not None:
             check_optimizer(self.optimizer, zero)
-        self.comm: dict[str, int] = {"all_reduce": 0, "all_gather": 0}  # payload bytes in the last step
+        # payload bytes in the last step (the full tensor each collective works on)
+        self.comm: dict[str, int] = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
         # fxpar_kernels this engine launches (fxpar inspect lists them): the updated shards' copy-out
         self.kernels: tuple[str, ...] = ("copy_out",) if zero in (1, 2) and dp > 1 else ()
         self.counts: dict[int, int] = {}
@@ -140,7 +159,7 @@ class DataParallelEngine:
         self.learned: dict[object, dict[int, int]] = {}  # program key -> gradients per parameter per step
         self.key = None
         self.hooks = []
-        if zero < 3 and dp > 1:
+        if zero < 3 and (dp > 1 or self.replicate):
             me = weakref.ref(self)  # the hooks must not keep an engine alive (a model compiled again)
 
             def on_grad(p, me=me):
@@ -189,7 +208,10 @@ class DataParallelEngine:
         for i in range(len(b.params)):
             if i not in b.filled:  # the gradients not copied at their hook (first step, no overlap, none)
                 b.fill(i)
-        if b.dp == 1:  # nothing to reduce
+        if self.replicate is not None:  # HSDP: reduce-scatter inside the shard group, replicas in finish
+            b.work, b.part = _reduce_scatter(b) if b.dp > 1 else (_DONE, b.flat)
+            self.comm["reduce_scatter"] += b.flat.numel() * b.flat.element_size() if b.dp > 1 else 0
+        elif b.dp == 1:  # nothing to reduce
             b.work = _DONE
         else:
             b.work = dist.all_reduce(b.flat, group=resolve_group(b.group), async_op=True)
@@ -201,21 +223,28 @@ class DataParallelEngine:
     # ---- after backward ---------------------------------------------------------------------------
     def finish(self) -> None:
         """Wait for (or issue) every bucket's reduction and leave each gradient where the optimizer reads it."""
-        if self.zero == 3 or (self.dp == 1 and self.zero == 0):
+        if self.zero == 3:
+            if self.replicate is not None:  # HSDP: the shard gradients the graph reduce-scattered, across copies
+                self._all_reduce_replicas([p.grad for p in self.params if p.grad is not None])
+            return
+        if self.dp == 1 and self.zero == 0:
             return  # (ZeRO-1/2 at dp=1, e.g. pp x tp on every rank: the gradients still go to the flat shards)
         if self.expected is None:
             self.expected = self.learned[self.key] = dict(self.counts)
         for b in self.buckets:
             if b.work is None:
                 self._launch(b)
+        if self.replicate is not None:
+            self._finish_hsdp()
         for b in self.buckets:
             b.work.wait()
             if self.zero < 2:  # the parameters' gradients are views of the reduced bucket
                 for p, piece in zip(b.params, b.views(b.flat)):
                     p.grad = piece
             if self.zero > 0:  # gloo has no reduce-scatter: the all-reduced bucket, sliced (NCCL would scatter)
-                b.shard.grad = b.flat[b.lo:b.hi].float().to(b.shard.device, copy=True)
-            b.work = None
+                part = b.part if b.part is not None else b.flat[b.lo:b.hi]
+                b.shard.grad = part.float().to(b.shard.device, copy=True)
+            b.work = b.part = None
             if not b.keep:
                 b.flat = None
         late = [p for p in self.params if self.counts[id(p)] > self.expected[id(p)]] if self.overlap else []
@@ -225,6 +254,29 @@ class DataParallelEngine:
                 f"got {[self.counts[id(p)] for p in late[:3]]} gradients this step, more than the "
                 f"{[self.expected[id(p)] for p in late[:3]]} learned on the first step of this program; the "
                 "schedule's gradient count must not change between steps of one program")
+
+    def _finish_hsdp(self) -> None:
+        """HSDP, after backward: every bucket's reduce-scattered shard all-reduced across the replicas (all in
+        flight at once); ZeRO-1 then gathers the reduced shards back into the whole bucket (shard group)."""
+        for b in self.buckets:
+            b.work.wait()
+            b.work = _DONE
+            if b.part is None:  # gloo: the shard group's all-reduced bucket, this rank's slice
+                b.part = b.flat[b.lo:b.hi].clone()
+        self._all_reduce_replicas([b.part for b in self.buckets])
+        if self.zero == 1:
+            for b in self.buckets:
+                if b.dp > 1:
+                    all_gather_single(b.flat, b.part, group=resolve_group(b.group))
+                    self.comm["all_gather"] += b.flat.numel() * b.flat.element_size()
+
+    def _all_reduce_replicas(self, tensors: list[torch.Tensor]) -> None:
+        """Sum ``tensors`` (this rank's shard gradients) over the replica group, in place, all in flight at once."""
+        pg = resolve_group(self.replicate[0])
+        works = [dist.all_reduce(t, group=pg, async_op=True) for t in tensors]
+        self.comm["all_reduce"] += sum(t.numel() * t.element_size() for t in tensors)
+        for w in works:
+            w.wait()
 
     def step(self) -> None:
         """:meth:`finish`, then :meth:`update` (the compiled model calls them apart to clip in between)."""
@@ -271,6 +323,16 @@ def bucket_params(named: list, first: int, bucket_bytes: int, group=None) -> lis
         cur[0].append((name, p))
         cur[1][0] += nbytes
     return out
+
+
+def _reduce_scatter(b: _Bucket) -> tuple[object, torch.Tensor | None]:
+    """Start reducing bucket ``b``'s gradients inside its (shard) group: (work handle, the shard it fills, or
+    None where gloo, which has no reduce-scatter, all-reduces the whole bucket and the shard is its slice)."""
+    pg = resolve_group(b.group)
+    if backend_of(pg, b.flat.device) == "gloo":
+        return dist.all_reduce(b.flat, group=pg, async_op=True), None
+    part = b.flat.new_empty(b.shard_numel)
+    return reduce_scatter_single(part, b.flat, group=pg, async_op=True), part
 
 
 class _Done:

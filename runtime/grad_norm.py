@@ -13,7 +13,7 @@ rank, a tied parameter (embedding and LM head) on every pipeline rank holding it
 *counting* rank, the rule ``fxpar.runtime.state.local_state`` uses to give every entry one writer: the
 first pipeline rank holding the parameter; TP rank 0 for what TP does not cut (its gradient is the same
 on every TP rank), each TP rank its own shard; for whole gradients dp rank 0, for ZeRO's flat shards
-each dp rank its own slice (padding excluded). Every rank sums the squares of what it counts and one
+each dp rank its own slice (padding excluded; with HSDP the first replica's copy of each). Every rank sums the squares of what it counts and one
 all-reduce of that scalar over the world gives the same norm everywhere; every rank then scales all the
 gradients it steps, counted or not, by the same factor. Cost: one scalar all-reduce per step.
 
@@ -54,7 +54,7 @@ def make_clipper(max_grad_norm, result: CompileResult, mesh: MeshSpec, named, en
     if max_grad_norm is None:
         return None
     return GradClipper(max_grad_norm, result, mesh, stepped_tensors(named, engine, result.zero3_buckets,
-                                                                     mesh.dp_rank), device, experts)
+                                                                     mesh.dp_shard_rank), device, experts)
 
 
 def stepped_tensors(named: list[tuple[str, torch.nn.Parameter]], engine, zero3_buckets: dict[int, list],
@@ -91,8 +91,10 @@ class GradClipper:
                 return False  # a tied parameter: its first pipeline rank counts it
             if tp.layout(fqn) is None and mesh.tp_rank != 0:
                 return False  # whole on every TP rank
-            # whole gradients are the same on every data replica (an expert slice's: on every dp rank)
-            return not whole or (mesh.dp_rank if fqn in experts else mesh.replica_rank) == 0
+            # whole gradients are the same on every data replica (an expert slice's: on every dp rank); a ZeRO
+            # slice is its shard rank's own, the same on each of HSDP's replicas (counted on the first)
+            return mesh.dp_replicate_rank == 0 if not whole else (mesh.dp_rank if fqn in experts
+                                                                   else mesh.replica_rank) == 0
 
         self.tensors: list[torch.Tensor] = []
         self.ranges: list[tuple[torch.Tensor, list[tuple[int, int]]]] = []  # (tensor, counted flat entries)

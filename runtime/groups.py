@@ -142,12 +142,23 @@ def mesh_groups(spec: MeshSpec, device_type: str, dp_axis: str = "dp_replicate")
     of the world calls this, in the same order: it creates process groups) and register this rank's group
     along each axis under its full name, ``spec.group_name(axis)``, and with ep > 1 its group of data replicas
     (``spec.replica_group_name()``). ``dp_axis`` names the mesh's data-parallel dimension
-    (``"dp_shard"`` under ZeRO, ``"dp_replicate"`` without). Returns the mesh; None for a world of
+    (``"dp_shard"`` under ZeRO, ``"dp_replicate"`` without); with HSDP (``spec.dp_replicate > 1``) the mesh is
+    ``(dp_replicate, dp_shard, pp, tp)`` and the shard, replica and whole dp groups are registered under
+    their names (``spec.shard_group_name()``, ...). Returns the mesh; None for a world of
     one rank, where nothing is registered (a one-rank name resolves to no group already)."""
     if spec.world_size == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
+    if spec.dp_replicate > 1:  # HSDP: the dp dimension as (dp_replicate, dp_shard), replicas outermost
+        mesh = init_device_mesh(device_type, (spec.dp_replicate, spec.dp_shard, *spec.shape[1:]),
+                                mesh_dim_names=("dp_replicate", "dp_shard", *spec.axes[1:]))
+        register_group(spec.shard_group_name(), mesh.get_group("dp_shard"))
+        register_group(spec.replicate_group_name(), mesh.get_group("dp_replicate"))
+        register_group(spec.group_name("dp"), mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group())
+        for axis in spec.axes[1:]:
+            register_group(spec.group_name(axis), mesh.get_group(axis))
+        return mesh
     dims = tuple(dp_axis if a == "dp" else a for a in spec.axes)  # ("dp", "ep", "pp", "tp") with ep > 1
     mesh = init_device_mesh(device_type, spec.shape, mesh_dim_names=dims)
     for axis, dim in zip(spec.axes, dims):

@@ -196,7 +196,7 @@ class CompiledModel:
         """Full tensors keyed by the original FQNs (tied parameters under each name), on every rank.
         ``grads=True``: the parameters' gradients from the last ``step`` instead (zeros where none)."""
         zero3 = Zero3Gatherer(self._train.zero3_buckets, canonical_names(self._train.program),
-                              self.spec.group_name("dp"), self.dp, grads) if self.plan.zero == 3 else None
+                              self.spec.shard_group_name(), self.spec.dp_shard, grads) if self.plan.zero == 3 else None
         return full_state_dict(self._train, self.model, self.spec, self.device, grads, ep=self.ep.info, zero3=zero3)
 
     def memory(self) -> dict[str, dict[str, int]]:
@@ -261,11 +261,14 @@ def make_engine(named, factory, groups: ParamGroups | None, result: CompileResul
     if mesh.replicas > 1 or plan.zero:
         expert_group = (mesh.group_name("dp"), mesh.dp, mesh.dp_rank)
         dense_group = (mesh.replica_group_name(), mesh.replicas, mesh.replica_rank)
-        engine = DataParallelEngine(named, factory, dp=mesh.replicas, rank=mesh.replica_rank, zero=plan.zero,
-                                    group=mesh.replica_group_name(), bucket_bytes=int((plan.bucket_mb or 25) * 2**20),
+        if mesh.dp_replicate > 1:  # HSDP (ep=1): shards over the shard group, each shard's copies over replicas
+            dense_group = (mesh.shard_group_name(), mesh.dp_shard, mesh.dp_shard_rank)
+        engine = DataParallelEngine(named, factory, dp=dense_group[1], rank=dense_group[2], zero=plan.zero,
+                                    group=dense_group[0], bucket_bytes=int((plan.bucket_mb or 25) * 2**20),
                                     overlap=overlap, offload=plan.offload, param_groups=groups, group_of=group_of,
                                     reduce_group=(lambda p: expert_group if id(p) in experts else dense_group)
-                                    if experts else None)
+                                    if experts else None,
+                                    replicate=(mesh.replicate_group_name(), mesh.dp_replicate))
         return engine, engine.optimizer
     # a rank whose stages hold no parameter (possible with tiny models) has nothing to optimise
     mine = [p for _, p in named]

@@ -195,7 +195,7 @@ def local_state(compiled, *, optimizer: bool = False, writers_only: bool = True)
     ``writers_only``: only the chunks this rank writes, so that each entry of each full tensor has exactly
     one writer: the owning pipeline rank (the first stage holding it, for tied parameters), one data-parallel
     replica of what is replicated over dp (chosen by FQN, to spread the bytes) or each dp rank its own
-    ZeRO slice, and one TP rank of what TP does not cut. Without it: everything this rank holds (to load
+    ZeRO slice (of HSDP's copies of a slice, one replica), and one TP rank of what TP does not cut. Without it: everything this rank holds (to load
     into). Scalar states (``step``) go with the chunk at the tensor's origin."""
     result, mesh, program = compiled.result, compiled.spec, compiled.result.program
     pipeline, tp = result.pipeline, result.tp
@@ -208,8 +208,8 @@ def local_state(compiled, *, optimizer: bool = False, writers_only: bool = True)
         if owner.get(fqn, mesh.pp_rank) != mesh.pp_rank:
             return False
         sharded, pick = tp.layout(fqn) is not None or fqn in experts, zlib.crc32(fqn.encode())
-        if per_dp:
-            return sharded or mesh.tp_rank == 0
+        if per_dp:  # a ZeRO slice: each shard rank its own; of HSDP's copies of it, one replica (by FQN)
+            return (sharded or mesh.tp_rank == 0) and mesh.dp_replicate_rank == pick % mesh.dp_replicate
         if sharded:
             return mesh.dp_rank == pick % mesh.dp
         return (mesh.dp_rank, mesh.tp_rank) == divmod(pick % (mesh.dp * mesh.tp), mesh.tp) \
@@ -235,7 +235,7 @@ def local_state(compiled, *, optimizer: bool = False, writers_only: bool = True)
     done: set[str] = set()
     for stage in pipeline.stages_of(mesh.pp_rank):
         for b in result.zero3_buckets.get(stage.index, []):
-            geometry[id(b.shard)] = _flat_geometry(b, *b.shard_range(mesh.dp_rank), canonical)
+            geometry[id(b.shard)] = _flat_geometry(b, *b.shard_range(mesh.dp_shard_rank), canonical)
             add("model.{}", geometry[id(b.shard)](b.shard.detach()), b.shard.dtype)
             done.update(canonical(n) for n in b.names)
         for name, p in stage.gm.named_parameters():

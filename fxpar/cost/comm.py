@@ -187,12 +187,15 @@ def step_collectives(gms, microbatches: int) -> list[dict]:
     return list(rows.values())
 
 
-def data_parallel_collectives(numel: int, element_size: int, dp: int, zero: int) -> list[dict]:
+def data_parallel_collectives(numel: int, element_size: int, dp: int, zero: int,
+                              dp_replicate: int = 1) -> list[dict]:
     """The data-parallel engine's collectives of one step for ``numel`` trainable entries of
     ``element_size`` bytes on this rank (rows as :func:`step_collectives`'s). Gradients are reduced once
     per step: all-reduced (DDP, ZeRO-1) or reduce-scattered (ZeRO-2; NCCL's algorithm, the gloo path
     all-reduces); ZeRO-1/2 then all-gather the updated fp32 shards. ZeRO-3's collectives are graph nodes
-    (:func:`step_collectives`), so it adds none here."""
+    (:func:`step_collectives`), so it adds none here. HSDP (``dp_replicate`` > 1): :func:`hsdp_collectives`."""
+    if dp_replicate > 1:
+        return hsdp_collectives(numel, element_size, dp // dp_replicate, dp_replicate, zero)
     if dp == 1 or zero == 3:
         return []
     grads = numel * element_size
@@ -200,6 +203,24 @@ def data_parallel_collectives(numel: int, element_size: int, dp: int, zero: int)
     rows = [_row("dp", reduce, "gradients", grads, ring_bytes(reduce, grads, dp))]
     if zero in (1, 2):
         rows.append(_row("dp", "all_gather", "parameters", 4 * numel, ring_bytes("all_gather", 4 * numel, dp)))
+    return rows
+
+
+def hsdp_collectives(numel: int, element_size: int, shard: int, replicas: int, zero: int) -> list[dict]:
+    """HSDP's engine collectives of one step (``runtime/data_parallel.py``): ZeRO-1/2 reduce-scatter the
+    gradients inside the shard group of ``shard`` ranks, all-reduce this rank's shard (1/shard of them)
+    across the ``replicas``, ZeRO-1 gathers the reduced shards back whole, and the updated fp32 shards are
+    all-gathered inside the shard group; ZeRO-3 (whose gathers and reduce-scatters are graph nodes) adds
+    only the shards' all-reduce across the replicas."""
+    grads = numel * element_size
+    part = -(-numel // shard) * element_size  # this rank's shard, padded as the buckets pad
+    rows = [] if zero == 3 or shard == 1 else [
+        _row("dp_shard", "reduce_scatter", "gradients", grads, ring_bytes("reduce_scatter", grads, shard))]
+    rows.append(_row("dp_replicate", "all_reduce", "gradient shards", part, ring_bytes("all_reduce", part, replicas)))
+    if zero in (1, 2) and shard > 1:
+        if zero == 1:
+            rows.append(_row("dp_shard", "all_gather", "gradients", grads, ring_bytes("all_gather", grads, shard)))
+        rows.append(_row("dp_shard", "all_gather", "parameters", 4 * numel, ring_bytes("all_gather", 4 * numel, shard)))
     return rows
 
 

@@ -41,11 +41,12 @@ def annotate_stages(traced, pipeline: PipelineProgram, cuts, device: DeviceModel
     return {"step_time": sim.makespan, "bubble": sim.bubble, "device": device.name}
 
 
-def memory_per_rank(numel: int, zero: int, dp: int, states: int) -> dict[str, int]:
+def memory_per_rank(numel: int, zero: int, dp: int, states: int, dp_replicate: int = 1) -> dict[str, int]:
     """Bytes one rank holds between steps for ``numel`` trainable fp32 parameter entries of its stages:
     ZeRO-1/2 add an fp32 master shard; ZeRO-2 keeps gradient shards only (plus full gradients of the
-    step in flight, not counted); ZeRO-3 keeps shards of everything; ``states`` optimizer states per entry."""
-    n = numel
+    step in flight, not counted); ZeRO-3 keeps shards of everything; ``states`` optimizer states per entry.
+    ``dp_replicate`` (HSDP): the shards are over ``dp / dp_replicate`` ranks, each held by that many replicas."""
+    n, dp = numel, dp // dp_replicate
     return {"params": 4 * n // dp if zero == 3 else 4 * n + (4 * n // dp if zero in (1, 2) else 0),
             "grads": 4 * n // dp if zero >= 2 else 4 * n + (4 * n // dp if zero == 1 else 0),
             "optimizer": 4 * states * n // (dp if zero >= 1 else 1)}

@@ -6,6 +6,11 @@ pp_rank) * tp + tp_rank``. Expert parallelism (``Plan(ep=N)``) is carved out of 
 takes that slice of the batch); the ``ep`` ranks of one dp replica split each MoE layer's experts and
 exchange tokens by all-to-all. With ``ep=1`` the layout is the ``dp x pp x tp`` one it always was.
 
+HSDP (``Plan(dp_replicate=R)``, with ZeRO) splits the dp coordinate into ``dp_rank = replicate_rank *
+dp_shard + shard_rank`` (torchtitan's ``(dp_replicate, dp_shard)`` order, replicas outermost): the
+``dp_shard = dp / R`` ranks of a shard group are neighbours in the mesh (inside a node where the mesh is
+laid over nodes in rank order), the ``R`` copies of each shard are ``dp_shard`` dp ranks apart.
+
 It holds no process group, so passes, the cost model and the planner can reason about any world size on
 one process (as JAX's ``AbstractMesh``); ``fxpar.runtime.groups`` turns it into a
 ``DeviceMesh`` and process groups.
@@ -19,6 +24,9 @@ different names) and carries its size, which is all a fake kernel needs::
     {'dp': 1, 'pp': 0, 'tp': 1}
     >>> m.group_name("tp"), m.group_name("pp"), m.group_name("dp")
     ('tp:4,5', 'pp:5,7', 'dp:1,5')
+    >>> h = MeshSpec(dp=4, tp=2, rank=6, dp_replicate=2)  # dp rank 3: replica 1, shard 1
+    >>> h.shard_group_name(), h.replicate_group_name()
+    ('dp_shard:4,6', 'dp_replicate:2,6')
 """
 
 from __future__ import annotations
@@ -37,17 +45,21 @@ class MeshSpec:
     tp: int = 1
     rank: int = 0
     ep: int = 1
+    dp_replicate: int = 1  # HSDP: copies of the ZeRO-sharded state, each over dp / dp_replicate ranks
 
     def __post_init__(self):
-        for axis in AXES:
+        for axis in (*AXES, "dp_replicate"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"MeshSpec.{axis}={getattr(self, axis)}: must be >= 1")
+        if self.dp % self.dp_replicate or (self.dp_replicate > 1 and self.ep > 1):
+            raise ValueError(f"MeshSpec.dp_replicate={self.dp_replicate}: must divide dp={self.dp}, with ep=1")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"MeshSpec.rank={self.rank}: the mesh has {self.world_size} ranks")
 
     @classmethod
     def for_plan(cls, plan, rank: int = 0) -> MeshSpec:
-        return cls(dp=plan.dp, pp=plan.pp, tp=plan.tp, rank=rank, ep=getattr(plan, "ep", 1))
+        return cls(dp=plan.dp, pp=plan.pp, tp=plan.tp, rank=rank, ep=getattr(plan, "ep", 1),
+                   dp_replicate=getattr(plan, "dp_replicate", 1))
 
     @property
     def world_size(self) -> int:
@@ -105,7 +117,7 @@ class MeshSpec:
         return self.coords().get("ep", 0)
 
     def with_rank(self, rank: int) -> MeshSpec:
-        return MeshSpec(self.dp, self.pp, self.tp, rank, self.ep)
+        return MeshSpec(self.dp, self.pp, self.tp, rank, self.ep, self.dp_replicate)
 
     # ---- groups -----------------------------------------------------------------------------------
     def axis_ranks(self, axis: str, rank: int | None = None) -> list[int]:
@@ -140,12 +152,51 @@ class MeshSpec:
             return self.group_name("dp", rank)
         return "dpep:" + ",".join(map(str, self.replica_ranks(rank)))
 
+    # ---- HSDP: the dp axis as (dp_replicate, dp_shard) ---------------------------------------------
+    @property
+    def dp_shard(self) -> int:
+        """Ranks a ZeRO shard group spans: ``dp / dp_replicate`` (``dp`` without HSDP)."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def dp_shard_rank(self) -> int:
+        """This rank's place in its shard group: which slice of each ZeRO bucket it holds."""
+        return self.dp_rank % self.dp_shard
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        """Which copy of the sharded state this rank's shard group is."""
+        return self.dp_rank // self.dp_shard
+
+    def shard_ranks(self, rank: int | None = None) -> list[int]:
+        """Global ranks of ``rank``'s shard group (same replica, pp and tp coordinates), in order."""
+        c = self.coords(rank)
+        first = c["dp"] // self.dp_shard * self.dp_shard
+        return [self.rank_of(first + s, c["pp"], c["tp"]) for s in range(self.dp_shard)]
+
+    def replicate_ranks(self, rank: int | None = None) -> list[int]:
+        """Global ranks holding the same ZeRO shards as ``rank`` (its copies across replicas), in order."""
+        c = self.coords(rank)
+        s = c["dp"] % self.dp_shard
+        return [self.rank_of(r * self.dp_shard + s, c["pp"], c["tp"]) for r in range(self.dp_replicate)]
+
+    def shard_group_name(self, rank: int | None = None) -> str:
+        """The group ZeRO shards over: ``group_name("dp")`` without HSDP, else ``"dp_shard:<ranks>"``."""
+        if self.dp_replicate == 1:
+            return self.group_name("dp", rank)
+        return "dp_shard:" + ",".join(map(str, self.shard_ranks(rank)))
+
+    def replicate_group_name(self, rank: int | None = None) -> str:
+        """``"dp_replicate:<ranks>"``: the copies of ``rank``'s shards (one rank without HSDP)."""
+        return "dp_replicate:" + ",".join(map(str, self.replicate_ranks(rank)))
+
     def pipeline_ranks(self) -> list[int]:
         """The global rank of each pipeline position in this rank's pipeline (same dp and tp)."""
         return self.axis_ranks("pp")
 
     def __str__(self) -> str:
         ep = f" x ep={self.ep}" if self.ep > 1 else ""
+        ep += f" (dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard})" if self.dp_replicate > 1 else ""
         return f"mesh dp={self.dp}{ep} x pp={self.pp} x tp={self.tp} (rank {self.rank}: {self.coords()})"
 
 

@@ -23,6 +23,11 @@ class Plan:
 
     dp: int = 1
     """Data-parallel replicas; each runs its slice of the global batch."""
+    dp_replicate: int = 1
+    """HSDP (with ZeRO): copies of the sharded state. ZeRO shards over groups of ``dp // dp_replicate`` ranks
+    (the shard groups, neighbours in the mesh: inside a node) and each shard is replicated over
+    ``dp_replicate`` groups; gradients are reduce-scattered inside a shard group, then each shard is
+    all-reduced across the replicas. 1: ZeRO shards over all ``dp`` ranks."""
     pp: int = 1
     """Pipeline ranks."""
     tp: int = 1
@@ -78,7 +83,7 @@ class Plan:
     all-to-all; every one of the ``dp x ep`` replicas takes its own slice of the batch (docs/expert_parallel.md)."""
 
     def __post_init__(self):
-        for name in ("dp", "pp", "tp", "ep"):
+        for name in ("dp", "pp", "tp", "ep", "dp_replicate"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise PlanError(f"Plan.{name}={v!r}: must be an integer >= 1")
@@ -116,6 +121,8 @@ class Plan:
         if self.ep > 1 and self.zero == 3:
             raise PlanError(f"Plan(ep={self.ep}, zero=3): ZeRO-3 would shard the experts' slices again over dp "
                             "(fxpar/passes/expert_parallel.py does not compose with zero3); use zero=0, 1 or 2")
+        if self.dp_replicate > 1:
+            _check_hsdp(self)
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"Plan.recompute={self.recompute!r}: use one of {RECOMPUTE}")
         for fqn, where in (self.split_points or {}).items():
@@ -125,6 +132,11 @@ class Plan:
     @property
     def world_size(self) -> int:
         return self.dp * self.ep * self.pp * self.tp
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks each ZeRO shard group spans: ``dp // dp_replicate``."""
+        return self.dp // self.dp_replicate
 
     @property
     def replicas(self) -> int:
@@ -181,6 +193,23 @@ class Plan:
         if unknown:
             raise PlanError(f"plan file {path}: unknown keys {sorted(unknown)}")
         return cls(**data)
+
+
+def _check_hsdp(plan: Plan) -> None:
+    """``dp_replicate > 1`` (HSDP): a divisor of dp, with ZeRO, without expert parallelism."""
+    r, dp = plan.dp_replicate, plan.dp
+    if dp % r:
+        fits = [d for d in range(2, dp + 1) if dp % d == 0]
+        raise PlanError(f"Plan(dp={dp}, dp_replicate={r}): dp_replicate copies of the sharded state need "
+                        f"dp_replicate to divide dp (shard groups of dp / dp_replicate ranks); use dp_replicate in "
+                        f"{fits or [1]} or a dp that {r} divides")
+    if plan.zero == 0:
+        raise PlanError(f"Plan(dp={dp}, dp_replicate={r}, zero=0): without ZeRO every dp rank is a replica "
+                        "already (nothing is sharded); use zero=1, 2 or 3 with dp_replicate, or leave dp_replicate=1")
+    if plan.ep > 1:
+        raise PlanError(f"Plan(dp={dp}, dp_replicate={r}, ep={plan.ep}): HSDP does not compose with expert "
+                        "parallelism (expert slices reduce over dp, dense parameters over dp x ep); use "
+                        "dp_replicate=1 with ep, or ep=1 with dp_replicate")
 
 
 def _int(key: str, value: str) -> int:

@@ -68,7 +68,7 @@ def communication(compiled) -> list[dict]:
     plan, stages = compiled.plan, compiled.pipeline.stages_of(compiled.pp_rank)
     numel, size = trainable(compiled)
     return (step_collectives([s.gm for s in stages], compiled.m)
-            + data_parallel_collectives(numel, size, plan.dp, plan.zero)
+            + data_parallel_collectives(numel, size, plan.dp, plan.zero, plan.dp_replicate)
             + pipeline_transfers(stages, compiled.m))
 
 

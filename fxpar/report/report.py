@@ -57,20 +57,26 @@ class Report:
             return {}
         measured = {}
         if c.plan.zero == 3:
-            buckets = [{"stage": s, "params": len(b.names), "first": b.names[0], "bytes": b.shard_numel * c.dp *
+            buckets = [{"stage": s, "params": len(b.names), "first": b.names[0], "bytes": b.shard_numel * b.dp *
                         b.shard.element_size(), "shard_bytes": b.shard_numel * b.shard.element_size()}
                        for s, bs in sorted(c.zero3_buckets.items()) for b in bs]
         else:
             e = c.engine
             buckets = [{"params": len(b.names), "first": b.names[0],
-                        "bytes": b.shard_numel * c.dp * b.params[0].element_size(),
+                        "bytes": b.shard_numel * b.dp * b.params[0].element_size(),
                         "shard_bytes": b.shard_numel * 4 if b.shard is not None else 0} for b in e.buckets]
             measured = {k: v for k, v in e.comm.items() if v}
-        return {"zero": c.plan.zero, "dp": c.dp, "buckets": buckets, "measured_comm": measured, "memory": c.memory()}
+        groups = {"shard": c.spec.shard_group_name(), "replicate": c.spec.replicate_group_name()}  # HSDP's two
+        return {"zero": c.plan.zero, "dp": c.dp, "dp_replicate": c.plan.dp_replicate, "groups": groups,
+                "buckets": buckets, "measured_comm": measured, "memory": c.memory()}
 
     def data_parallel_table(self) -> str:
         d = self.data_parallel()
         lines = [f"data parallel: dp={d['dp']}, ZeRO-{d['zero']}, {len(d['buckets'])} buckets"]
+        if d["dp_replicate"] > 1:
+            r, g = d["dp_replicate"], d["groups"]
+            lines[0] += (f"; HSDP: {r} replicas x shard groups of {d['dp'] // r} (this rank: shards over "
+                         f"{g['shard']}, copies over {g['replicate']})")
         for i, b in enumerate(d["buckets"]):
             lines.append(f"  bucket {i}: {b['params']} params from {b['first']}, {human(b['bytes'])}B"
                          + (f", shard {human(b['shard_bytes'])}B" if b["shard_bytes"] else ""))

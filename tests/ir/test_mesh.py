@@ -39,3 +39,17 @@ def test_bad_mesh_is_refused():
         MeshSpec(dp=2, tp=4, rank=8)
     with pytest.raises(ValueError, match="unknown mesh axis"):
         MeshSpec().group_name("cp")
+
+
+def test_hsdp_splits_dp_into_replicas_of_neighbouring_shard_groups():
+    m = MeshSpec(dp=4, tp=2, dp_replicate=2)  # dp rank = replicate rank * 2 + shard rank
+    shards = {tuple(m.shard_ranks(r)) for r in range(8)}
+    copies = {tuple(m.replicate_ranks(r)) for r in range(8)}
+    assert shards == {(0, 2), (1, 3), (4, 6), (5, 7)} and copies == {(0, 4), (1, 5), (2, 6), (3, 7)}
+    r6 = m.with_rank(6)
+    assert (r6.dp_rank, r6.dp_replicate_rank, r6.dp_shard_rank, r6.dp_shard) == (3, 1, 1, 2)
+    assert (r6.shard_group_name(), r6.replicate_group_name()) == ("dp_shard:4,6", "dp_replicate:2,6")
+    flat = MeshSpec(dp=4, tp=2, rank=6)  # without HSDP ZeRO shards over the dp group, under its name
+    assert flat.shard_group_name() == flat.group_name("dp") == "dp:0,2,4,6" and flat.dp_shard_rank == 3
+    with pytest.raises(ValueError, match="dp_replicate=3"):
+        MeshSpec(dp=4, dp_replicate=3)

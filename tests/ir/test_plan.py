@@ -44,3 +44,14 @@ def test_bad_split_point_and_file(tmp_path):
     (tmp_path / "q.json").write_text('{"pipeline": 2}')
     with pytest.raises(PlanError, match="unknown keys"):
         Plan.from_file(tmp_path / "q.json")
+
+
+def test_hsdp_plans_parse_and_bad_ones_name_the_fix():
+    plan = Plan.parse("dp=4,dp_replicate=2,zero=3")
+    assert (plan.dp, plan.dp_replicate, plan.dp_shard, plan.world_size, plan.replicas) == (4, 2, 2, 4, 4)
+    for text, match in [("dp=4,dp_replicate=3,zero=3", r"dp_replicate=3\): .* use dp_replicate in \[2, 4\]"),
+                        ("dp=4,dp_replicate=2", r"zero=0\): without ZeRO every dp rank is a replica already"),
+                        ("dp=2,dp_replicate=2,ep=2,zero=1", "HSDP does not compose with expert parallelism"),
+                        ("dp=2,dp_replicate=0,zero=1", "Plan.dp_replicate=0")]:
+        with pytest.raises(PlanError, match=match):
+            Plan.parse(text)
