@@ -7,7 +7,8 @@ collective matmul hides them behind the chunks), the pipeline schedule's critica
 :mod:`fxpar.planner.schedule_dag`, the data-parallel engine (``runtime/data_parallel.py``) all-reduces
 fp32 gradient buckets as they fill during the last microbatch's backward (ZeRO-1/2 then all-gather the
 updated fp32 shards), ZeRO-3 (``runtime/zero3.py``) gathers every layer's bucket in each microbatch's
-forward and again in its backward and reduce-scatters its gradient, one bucket ahead of use. Memory is
+forward and again in its backward and reduce-scatters its gradient, one bucket ahead of use; HSDP's shard
+and replica groups are priced each on its own link (:mod:`fxpar.planner.dp_groups`). Memory is
 fp32 master state by ZeRO stage (:func:`fxpar.cost.predict.memory_per_rank`, AdamW: 2 states), the
 activations of the microbatches the schedule keeps in flight (plus the backward's transient: recomputed
 forward and the gradients alive at once, largest at the loss; and the program's outputs, kept to the
@@ -28,6 +29,7 @@ from fxpar.cost.predict import memory_per_rank as state_bytes
 from fxpar.ir import schedule as sched
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
+from fxpar.planner.dp_groups import DpGroups, engine_times, sent_bytes
 from fxpar.planner.memory import activation_peaks
 from fxpar.planner.schedule_dag import critical_path
 
@@ -45,7 +47,7 @@ class Estimate:
     parts: dict[str, float]  # compute, tp_comm, pp_comm, dp_comm (exposed), bubble (idle), optimizer
     bubble: float  # fraction of the step a pipeline rank idles
     memory: dict[str, int]  # bytes on the fullest rank: params, grads, optimizer, activations, buffers, total
-    comm_bytes: dict[str, int]  # bytes one rank sends per step: tp, pp, dp
+    comm_bytes: dict[str, int]  # bytes one rank sends per step: tp, pp, dp (dp_inter: of dp, across nodes)
     mfu: float
     tokens_per_s: float
     fits: bool
@@ -204,7 +206,8 @@ class Pricer:
         b = self.batch // (dp * m)
         sp, rc = plan.sequence_parallel, plan.recompute
         n_stages = pp * v
-        dp_inter = _spans_nodes(world, p.ranks_per_node, pp * tp, dp)
+        # HSDP: the shard group and the replica group, each on the link its ranks need (fxpar.planner.dp_groups)
+        groups = DpGroups.of(plan, lambda stride, size: _spans_nodes(world, p.ranks_per_node, stride, size))
         gbytes = 1 if plan.comm_dtype else (2 if plan.mixed_precision == "bf16" else 4)
         dtype = "bf16" if plan.mixed_precision == "bf16" else c.dtype  # autocast computes in bf16
         st = self._stages(n_stages, tp, sp, b, rc, world, dtype)
@@ -215,8 +218,8 @@ class Pricer:
             tf = [x / k + max(0.0, x - y) for x, y in zip(tf, st["F"])]
             tb = [x / k + max(0.0, x - y) for x, y in zip(tb, st["B"])]
         zf = zb = [0.0] * n_stages
-        if plan.zero == 3 and dp > 1:
-            zf, zb = _zero3(self, n_stages, tp, sp, b, rc, world, dtype, dp, dp_inter, gbytes,
+        if plan.zero == 3 and groups.shard > 1:
+            zf, zb = _zero3(self, n_stages, tp, sp, b, rc, world, dtype, groups.shard, groups.shard_inter, gbytes,
                                  1 if plan.quantize_grads else 4, plan.prefetch > 0)
         F = [x + y + z for x, y, z in zip(st["F"], tf, zf)]
         B = [x + y + z for x, y, z in zip(st["B"], tb, zb)]
@@ -244,7 +247,7 @@ class Pricer:
         z3_time = m * sum(z3[s] for s in mine[r0])
         compute = busy[r0] - tp_time - z3_time
         # data parallel: buckets reduce as they fill in the last microbatch's backward
-        dp_exposed, opt_time, worst = _per_rank(p, plan, m, mine, params, B, acts, st["big"], dp_inter, gbytes)
+        dp_exposed, opt_time, worst = _per_rank(p, plan, m, mine, params, B, acts, st["big"], groups, gbytes)
         step = makespan + dp_exposed + opt_time
         pp_comm = min(max(0.0, makespan - busy[r0]), 2 * (n_stages - 1) * comm)
         idle = max(0.0, makespan - busy[r0] - pp_comm)
@@ -253,19 +256,16 @@ class Pricer:
         memory = {**worst[1], "activations": int(worst[2]), "buffers": int(worst[3]), "total": int(worst[0])}
         n0 = sum(params[s] for s in mine[r0])
         tp_bytes = m * sum(st["tpsent"][x] for x in mine[r0])
-        dp_bytes = 0
-        if dp > 1:
-            if plan.zero == 3:
-                dp_bytes = m * (2 * _sent("all_gather", n0 * gbytes, dp) + _sent("reduce_scatter", 4 * n0, dp))
-            else:
-                dp_bytes = _sent("all_reduce", 4 * n0, dp) + (_sent("all_gather", 4 * n0, dp) if plan.zero else 0)
+        inside, across = sent_bytes(plan.zero, n0, m, gbytes, groups) if dp > 1 else (0.0, 0.0)
+        dp_inter = inside * groups.shard_inter + across * groups.replicas_inter  # of it, over inter-node links
         pp_bytes = max(2 * m * sum(outs[s] for s in st if s < n_stages - 1) for st in mine) if pp > 1 else 0
         tokens = self.batch * c.seq
         peak = p.peak_flops.get(dtype) or p.matmul_flops(dtype)
         mfu = c.flops_per_token * tokens / (step * world * peak) if step > 0 else 0.0
         fits = memory["total"] <= self.memory
         return Estimate(plan, step, parts, bubble, memory, {"tp": int(tp_bytes), "pp": int(pp_bytes),
-                        "dp": int(dp_bytes)}, mfu, tokens / step if step > 0 else 0.0, fits,
+                        "dp": int(inside + across), "dp_inter": int(dp_inter)},
+                        mfu, tokens / step if step > 0 else 0.0, fits,
                         None if fits else f"memory: {gb(memory['total'])} > {gb(self.memory)}", is_exact)
 
 
@@ -322,7 +322,7 @@ def _owned(name: str, pp: int, n_stages: int) -> list[list[int]]:
     return [[s for s in range(n_stages) if place[s] == r] for r in range(pp)]
 
 
-def _per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, dp_inter: bool, gbytes: int) -> tuple:
+def _per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpGroups, gbytes: int) -> tuple:
     """Over the pipeline ranks: the data-parallel time left exposed after the last microbatch's backward
     (buckets reduce as they fill; ZeRO-1/2 then gather the updated shards), the optimizer step, and the
     fullest rank's memory ``(peak, states, activations, buffers)``.
@@ -343,19 +343,14 @@ def _per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, dp_inter: 
         n = sum(params[s] for s in mine[r])
         got = per_n.get(n)
         if got is None:
-            red = last = gather = 0.0
-            if dp > 1 and plan.zero < 3:
-                red = p.collective_time("all_reduce", 4 * n, dp, dp_inter)
-                last = p.collective_time("all_reduce", min(4 * n, BUCKET), dp, dp_inter)
-                if plan.zero in (1, 2):
-                    gather = p.collective_time("all_gather", 4 * n, dp, dp_inter)
-            mem = state_bytes(n, plan.zero, dp, ADAM_STATES)
+            red, last, gather = engine_times(p, plan.zero, n, groups, BUCKET) if dp > 1 else (0.0, 0.0, 0.0)
+            mem = state_bytes(n, plan.zero, dp, ADAM_STATES, plan.dp_replicate)
             if plan.zero == 2 and m > 1:  # gradients accumulate whole over the microbatches
                 mem["grads"] += 4 * n
-            opt = p.optimizer_time(n // dp if plan.zero else n, ADAM_BYTES)
+            opt = p.optimizer_time(n // groups.shard if plan.zero else n, ADAM_BYTES)
             got = per_n[n] = (red, last, gather, mem, sum(mem.values()), opt)
         red, last, gather, mem, held, opt = got
-        if dp > 1 and plan.zero < 3:
+        if dp > 1:  # (ZeRO-3's gathers are in B; with HSDP its shards' all-reduce follows the backward)
             hidden = sum(B[s] for s in mine[r]) if p.comm_overlaps else 0.0
             dp_exposed = max(dp_exposed, max(0.0, red - hidden) + (last if p.comm_overlaps else 0.0) + gather)
         opt_time = max(opt_time, opt)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
+from fxpar.planner.dp_groups import replica_options
 from fxpar.planner.price import Estimate, Pricer, gb
 from fxpar.planner.space import divisors, factorisations, microbatch_options, schedule_variants
 
@@ -27,8 +28,11 @@ KEEP_M = 3  # microbatch counts per (dp, pp, tp) kept for the second pass
 
 
 def describe(plan: Plan) -> str:
-    """``dp=16 pp=8 tp=8 zero=1 m=32 1f1b sp recompute=selective``: the fields the planner chooses."""
+    """``dp=16 pp=8 tp=8 zero=1 m=32 dp_replicate=2 1f1b sp recompute=selective``: the fields the planner
+    chooses."""
     out = f"dp={plan.dp} pp={plan.pp} tp={plan.tp} zero={plan.zero} m={plan.microbatches}"
+    if plan.dp_replicate > 1:
+        out += f" dp_replicate={plan.dp_replicate}"
     if plan.pp > 1:
         out += f" {plan.schedule}"
     if plan.sequence_parallel:
@@ -41,7 +45,7 @@ def describe(plan: Plan) -> str:
 def _key(e: Estimate) -> tuple:
     p = e.plan
     return (round(e.step_time, 9), p.pp, p.tp, p.zero, p.recompute != "none", p.microbatches or 0,
-            p.schedule, p.sequence_parallel, p.recompute)
+            p.schedule, p.sequence_parallel, p.recompute, p.dp_replicate)
 
 
 @dataclass
@@ -219,13 +223,15 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp):
                              f"replica cannot make {pp} microbatches"))
             continue
         first: dict[int, list[Estimate]] = {}
-        variants = [(sp, z, rc) for sp in sps if (tp, sp) in costs.parts["pre"]
+        # HSDP (dp_replicate > 1) with ZeRO where the dp group spans nodes: shard groups inside a node
+        variants = [(sp, z, rc, r) for sp in sps if (tp, sp) in costs.parts["pre"]
                     and not (sp and (tp == 1 or sp_ok.get(tp)))
-                    for z in ((0, 1, 2, 3) if dp > 1 else (0,)) for rc in ("none", "selective", "layer")]
+                    for z in ((0, 1, 2, 3) if dp > 1 else (0,)) for rc in ("none", "selective", "layer")
+                    for r in (replica_options(dp, pp * tp, rpn) if z else (1,))]
         for m in ms:
-            for sp, z, rc in variants:
+            for sp, z, rc, r in variants:
                 plan = Plan(dp=dp, pp=pp, tp=tp, zero=z, microbatches=m, sequence_parallel=sp, recompute=rc,
-                            schedule="1f1b")
+                            schedule="1f1b", dp_replicate=r)
                 first.setdefault(m, []).append(pricer.price(plan, exact=False))
         for est in first.values():
             priced += est
@@ -240,8 +246,8 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp):
                                          len(costs.layers) + 2)
             excluded += why
             for g in got:
-                for sp, z, rc in variants:
-                    plan = replace(g, zero=z, sequence_parallel=sp, recompute=rc)
+                for sp, z, rc, r in variants:
+                    plan = replace(g, zero=z, sequence_parallel=sp, recompute=rc, dp_replicate=r)
                     priced.append(pricer.price(plan, exact=False))
     return priced, excluded
 

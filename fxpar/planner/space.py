@@ -1,16 +1,19 @@
 """The plan space the planner searches: every ``dp x pp x tp = world`` factorisation the model allows, each
-with ZeRO 0-3, sequence parallelism (tp > 1), microbatch counts the global batch divides into, pipeline
-schedules with their virtual stages, and recompute policies. What cannot run is kept with its reason
+with ZeRO 0-3 (with ZeRO, HSDP's ``dp_replicate`` where the dp group spans nodes:
+:func:`fxpar.planner.dp_groups.replica_options`), sequence parallelism (tp > 1), microbatch counts the
+global batch divides into, pipeline schedules with their virtual stages, and recompute policies. What cannot run is kept with its reason
 (``(what, reason)``), so the planner can say why a degree never appeared.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import product
 
 from fxpar.ir import schedule as sched
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import RECOMPUTE, Plan
+from fxpar.planner.dp_groups import replica_options
 
 __all__ = ["candidates", "divisors", "factorisations", "microbatch_options", "schedule_variants"]
 
@@ -92,8 +95,9 @@ def candidates(costs, world: int, global_batch: int, *, ranks_per_node: int, sch
                 for z in zero:
                     if z and dp == 1:
                         continue  # ZeRO over one replica shards nothing
-                    for rc in recompute:
-                        base = Plan(dp=dp, pp=pp, tp=tp, zero=z, microbatches=m, sequence_parallel=sp, recompute=rc)
+                    for rc, r in product(recompute, replica_options(dp, pp * tp, ranks_per_node) if z else (1,)):
+                        base = Plan(dp=dp, pp=pp, tp=tp, zero=z, microbatches=m, sequence_parallel=sp, recompute=rc,
+                                    dp_replicate=r)
                         got, why = schedule_variants(base, schedules, len(costs.layers) + 2)
                         plans += got
                         rejected += why
