@@ -18,6 +18,7 @@ from fxpar import checkpoint, zoo
 from fxpar.cost import comm
 from fxpar.ir.ops import gather_params_op, parse_ranks
 from fxpar.report.budget import trainable
+from fxpar.runtime import data_parallel
 from fxpar.runtime.state import local_state
 from fxpar.testing import multiproc
 
@@ -77,14 +78,15 @@ def _by_group(tap: CommTap, spec) -> dict[str, int]:
     return {f"{names[r]} {op}": n for (r, op), n in tap.bytes.items() if r in names}
 
 
-def _theory(compiled) -> dict[str, int]:
+def _theory(compiled, native: bool) -> dict[str, int]:
     """Bytes per step by construction. ZeRO-3: ``full`` = every bucket of this rank, padded, fp32; forward
     gathers each once, backward again but the last (kept for it: ``Zero3Regather``) and the input
     embedding's (its gradient reads only the token ids, so backward never unpacks the table), the
     gradients are reduce-scattered whole, and the replicas all-reduce this rank's shard of them
     (``full / dp_shard``).
-    ZeRO-1/2: the engine's flat gradient buckets reduce-scattered, the shard all-reduced across replicas,
-    (ZeRO-1) gathered back whole, the updated fp32 shards gathered."""
+    ZeRO-1/2: the engine's flat gradient buckets reduce-scattered (``native``: by torch's reduce-scatter,
+    else by gloo's stand-in, an all-reduce), the shard all-reduced across replicas, (ZeRO-1) gathered back
+    whole, the updated fp32 shards gathered."""
     spec, zero = compiled.spec, compiled.plan.zero
     if zero == 3:
         buckets = [b for bs in compiled.zero3_buckets.values() for b in bs]
@@ -95,17 +97,31 @@ def _theory(compiled) -> dict[str, int]:
         model = compiled.model
         table = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
         embedding = sum(b.padded_numel * 4 for b in buckets if table in b.names)
-        graph = sum(comm.collective_bytes(s.gm)["gather_params"] for s in compiled.pipeline.stages_of(spec.pp_rank))
+        stages = compiled.pipeline.stages_of(spec.pp_rank)
+        graph = sum(comm.collective_bytes(s.gm)["gather_params"] for s in stages)
         assert graph == full, (graph, full)  # the graph's own counters see the same gathers
         return {"shard all_gather": 2 * full - kept - embedding, "shard reduce_scatter": full,
                 "replicate all_reduce": full // spec.dp_shard}
     full = sum(b.padded_numel * 4 for b in compiled.engine.buckets)
-    return {"shard all_reduce": full, "replicate all_reduce": full // spec.dp_shard,
+    reduce = "reduce_scatter" if native else "all_reduce"
+    return {f"shard {reduce}": full, "replicate all_reduce": full // spec.dp_shard,
             "shard all_gather": (2 if zero == 1 else 1) * full}
 
 
-def hsdp_training(plan: str, steps: int = 3) -> dict:
-    """``steps`` clipped AdamW steps of ``plan`` next to one process; the last step's bytes per group."""
+def hsdp_training(plan: str, native: bool, steps: int = 3) -> dict:
+    """``steps`` clipped AdamW steps of ``plan`` next to one process; the last step's bytes per group.
+    ``native``: the engine takes the path of backends with a reduce-scatter (NCCL's), which gloo also
+    runs since torch 2.13, instead of gloo's all-reduce and slice."""
+    old = data_parallel.backend_of
+    if native:
+        data_parallel.backend_of = lambda pg, device: "native"
+    try:
+        return _train(plan, native, steps)
+    finally:
+        data_parallel.backend_of = old
+
+
+def _train(plan: str, native: bool, steps: int) -> dict:
     batch = _batch()
     compiled = fxpar.compile(zoo.build(NAME, seed=0), plan, example_kwargs=batch, optimizer=adamw, timeout=120,
                              max_grad_norm=MAX_NORM)
@@ -128,16 +144,18 @@ def hsdp_training(plan: str, steps: int = 3) -> dict:
                                                  for k, v in reference.state_dict().items()))
     numel, size = trainable(compiled)  # this rank's stages' parameters, whole (TP-local)
     mine = numel * size
-    return {**out, "measured": _by_group(tap, compiled.spec), "theory": _theory(compiled),
+    return {**out, "measured": _by_group(tap, compiled.spec), "theory": _theory(compiled, native),
             "engine": dict(compiled.engine.comm), "counted": compiled.clipper.counted(), "mine": mine,
             "shard": compiled.spec.dp_shard, "mesh": str(compiled.mesh),
             "report": str(fxpar.inspect(compiled, quiet=True))}
 
 
-@pytest.mark.parametrize("plan", ["dp=8,dp_replicate=2,zero=3", "dp=4,dp_replicate=2,tp=2,zero=3",
-                                  "dp=4,dp_replicate=2,tp=2,zero=1", "dp=4,dp_replicate=2,pp=2,zero=2"])
-def test_hsdp_trains_as_one_process_and_moves_the_bytes_theory_says(pool8, plan):
-    results = pool8.run(hsdp_training, plan, timeout=400)
+@pytest.mark.parametrize("plan,native", [("dp=8,dp_replicate=2,zero=3", False),
+                                         ("dp=4,dp_replicate=2,tp=2,zero=3", False),
+                                         ("dp=4,dp_replicate=2,tp=2,zero=1", True),
+                                         ("dp=4,dp_replicate=2,pp=2,zero=2", False)])
+def test_hsdp_trains_as_one_process_and_moves_the_bytes_theory_says(pool8, plan, native):
+    results = pool8.run(hsdp_training, plan, native, timeout=400)
     total = sum(p.numel() for p in zoo.build(NAME).parameters())
     assert sum(r["counted"] for r in results) == total  # every gradient entry counted once, not once per replica
     for r in results:
@@ -149,14 +167,16 @@ def test_hsdp_trains_as_one_process_and_moves_the_bytes_theory_says(pool8, plan)
         assert r["mine"] // r["shard"] <= replicated <= r["mine"] // r["shard"] + 4 * 16, (replicated, r["mine"])
         assert r["engine"]["all_reduce"] == replicated, r["engine"]
         if "zero=3" not in plan:
-            assert r["engine"]["reduce_scatter"] == r["theory"]["shard all_reduce"]  # gloo's stand-in
+            reduced = r["theory"]["shard reduce_scatter" if native else "shard all_reduce"]
+            assert r["engine"]["reduce_scatter"] == reduced
             assert r["engine"]["all_gather"] == r["theory"]["shard all_gather"]
         assert "dp_replicate=2, dp_shard=" in r["mesh"] and "HSDP: 2 replicas" in r["report"], r["mesh"]
 
 
 def _written(compiled) -> dict[str, tuple[tuple, list]]:
     """Every entry this rank writes to a checkpoint (model and optimizer), as (full shape, [(offsets, values)])."""
-    return {k: (h.shape, [(o, v.detach().clone()) for o, v in h.chunks]) for k, h in local_state(compiled, optimizer=True).items()}
+    held = local_state(compiled, optimizer=True)
+    return {k: (h.shape, [(o, v.detach().clone()) for o, v in h.chunks]) for k, h in held.items()}
 
 
 def _assemble(mine: dict) -> tuple[dict[str, torch.Tensor], int, int]:
