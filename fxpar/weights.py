@@ -368,9 +368,12 @@ def _reset_parameters(module: torch.nn.Module) -> None:
 
 
 def _read_slice(f, name: str, layout: ShardLayout | None, rank: int) -> torch.Tensor:
-    """``rank``'s part of a safetensors entry, reading only that part (one range per fused piece)."""
+    """``rank``'s part of a safetensors entry, reading only that part (one range per fused piece), in memory
+    of its own: safetensors hands out views of the memory-mapped file (the whole tensor's storage), which
+    a rank must not keep (the file's pages would back its parameters, and a later write to the file
+    would show through them)."""
     if layout is None:
-        return f.get_tensor(name)
+        return f.get_tensor(name).clone()
     sl = f.get_slice(name)
     shape = sl.get_shape()
     parts = []
@@ -378,4 +381,4 @@ def _read_slice(f, name: str, layout: ShardLayout | None, rank: int) -> torch.Te
         index = [slice(None)] * len(shape)
         index[layout.dim] = slice(start, end)
         parts.append(sl[tuple(index)])
-    return torch.cat(parts, dim=layout.dim) if layout.pieces else parts[0]
+    return torch.cat(parts, dim=layout.dim) if layout.pieces else parts[0].clone()

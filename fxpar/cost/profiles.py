@@ -76,6 +76,9 @@ class DeviceProfile:
     fresh_bw: float = 0.0  # bytes/s of writing into newly mapped memory (first touch); 0: no such cost
     fresh_threshold: int = 0  # outputs of at least this many bytes are newly mapped on every allocation
     comm_overlaps: bool = True  # collectives run beside compute (GPU copy engines); False: on the computing cores (gloo on a CPU host)
+    # torch's optimizers step tensor by tensor on the CPU (temporaries of the largest tensor), with their
+    # multi-tensor (foreach) kernels on CUDA (temporaries of every stepped tensor at once)
+    optimizer_per_tensor: bool = False
 
     def matmul_flops(self, dtype: str) -> float:
         """Sustained matmul FLOP/s for ``dtype`` ("bf16", "float32", a torch.dtype, ...); a dtype the
@@ -257,6 +260,7 @@ def cpu_default(ranks_per_node: int | None = None) -> DeviceProfile:
         intra=loop, inter=loop, op_overhead=10e-6,
         compute_share={k: min(1.0, cores / k) for k in (1, 2, 4, 8, 16, 32, 64) if k <= max(n, 1)},
         comm_overlaps=False,  # gloo reduces and copies on the cores the ranks compute on
+        optimizer_per_tensor=True,
         source=f"rough default for an uncalibrated host ({cores} cores); run `fxpar calibrate`")
 
 
@@ -377,6 +381,7 @@ def profile_from_measurements(m: dict, *, name: str | None = None) -> DeviceProf
         fresh_bw=float(m.get("fresh", {}).get("bytes_per_s", 0.0)),
         fresh_threshold=int(m.get("fresh", {}).get("threshold", 0)),
         comm_overlaps=gpu,  # gloo reduces and copies on the host's cores, which the ranks compute on
+        optimizer_per_tensor=not gpu,
         peak_flops=dict(base.peak_flops) if base else {},
         source=f"calibrated on {m.get('host')} {m.get('date')} ({m.get('backend')}, world {world}"
                f"{', quick' if m.get('quick') else ''}; {m.get('device_name')})")

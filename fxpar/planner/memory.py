@@ -6,15 +6,24 @@ outputs made so far (every microbatch's are kept to the step's end); the gradien
 exist from a stage's first backward on. GPipe's peak is at its first backward, before any gradient;
 1F1B's later backwards hold as many microbatches and the gradients too. Used by
 :mod:`fxpar.planner.price`; cached per schedule, pipeline size, microbatches and virtual stages.
+:func:`per_rank` walks each pipeline rank's states, activations, buffers and optimizer step to the
+fullest rank, with the data-parallel time each leaves exposed.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
+from fxpar.cost.predict import memory_per_rank as state_bytes
+from fxpar.ir.plan import Plan
+from fxpar.planner.dp_groups import DpGroups, engine_times
 from fxpar.planner.schedule_dag import peak_activation, schedule_dag
 
-__all__ = ["activation_peaks", "moments"]
+__all__ = ["ADAM_BYTES", "ADAM_STATES", "BUCKET", "activation_peaks", "moments", "optimizer_transient", "per_rank"]
+
+ADAM_STATES = 2
+ADAM_BYTES = 28  # AdamW per fp32 entry: reads param, grad, 2 states; writes param, 2 states
+BUCKET = 25 * 2**20  # the data-parallel engine's gradient bucket
 
 
 def activation_peaks(name: str, pp: int, m: int, v: int, mine, kept, trans, kout, params, exact: bool) -> list[tuple]:
@@ -69,3 +78,65 @@ def moments(name: str, pp: int, m: int, v: int) -> tuple:
             all(p >= q for p, q in zip(y[j], x[j])) for j in (0, 2, 3)) for y in xs)]
         out.append(tuple(keep))
     return tuple(out)
+
+
+def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpGroups, gbytes: int,
+              big_tensor) -> tuple:
+    """Over the pipeline ranks: the data-parallel time left exposed after the last microbatch's backward
+    (buckets reduce as they fill; ZeRO-1/2 then gather the updated shards), the optimizer step, and the
+    fullest rank's memory ``(peak, states, activations, buffers)``.
+
+    ``acts[r]``: the rank's peak of activations without and with the gradients its backward makes
+    (:func:`fxpar.planner.memory.activation_peaks`). The step drops the parameters' gradients when it begins
+    (``runtime/model.py``), so without data parallelism they are not there at the activations' peak;
+    the data-parallel engine keeps its flat buckets (the gradients between steps are views of them:
+    ``runtime/data_parallel.py``) and autograd's fresh gradients are copied into them as backward makes
+    them. ZeRO-2 frees each bucket's full gradients when it goes out (its flat buckets, made each step,
+    take their place); ZeRO-3 reduce-scatters each bucket's gradient at once and keeps one gathered
+    bucket (the last of the forward, for the backward that starts with it). At the optimizer step the
+    activations are gone and every gradient is there, with the optimizer's temporaries
+    (:func:`optimizer_transient`)."""
+    dp, pp = plan.dp, plan.pp
+    dp_exposed = opt_time = 0.0
+    worst: tuple = ()
+    per_n: dict[int, tuple] = {}  # ranks holding equal parameter counts share their collectives
+    for r in range(pp):
+        n = sum(params[s] for s in mine[r])
+        got = per_n.get(n)
+        if got is None:
+            red, last, gather = engine_times(p, plan.zero, n, groups, BUCKET) if dp > 1 else (0.0, 0.0, 0.0)
+            mem = state_bytes(n, plan.zero, dp, ADAM_STATES, plan.dp_replicate)
+            if plan.zero == 2 and m > 1:  # gradients accumulate whole over the microbatches
+                mem["grads"] += 4 * n
+            opt = p.optimizer_time(n // groups.shard if plan.zero else n, ADAM_BYTES)
+            got = per_n[n] = (red, last, gather, mem, sum(mem.values()), opt)
+        red, last, gather, mem, held, opt = got
+        if dp > 1:  # (ZeRO-3's gathers are in B; with HSDP its shards' all-reduce follows the backward)
+            hidden = sum(B[s] for s in mine[r]) if p.comm_overlaps else 0.0
+            dp_exposed = max(dp_exposed, max(0.0, red - hidden) + (last if p.comm_overlaps else 0.0) + gather)
+        opt_time = max(opt_time, opt)
+        buffers, made = 0, True  # whether the gradients backward makes add to the state
+        if plan.zero == 3 and dp > 1:
+            buffers, made = max(big_part[x] for x in mine[r]) * gbytes, False
+        elif plan.zero == 2 and dp > 1 and m > 1:
+            made = False  # accumulated whole over the microbatches (counted in the state)
+        before = mem["grads"] - (4 * n if dp == 1 and plan.zero == 0 else 0)  # gradients held as the step begins
+        total = held - mem["grads"] + before + buffers + acts[r][made]
+        stepped = max(big_part[x] for x in mine[r]) if plan.zero == 3 else max(big_tensor[x] for x in mine[r])
+        total = max(total, held + optimizer_transient(p, plan.zero, n, stepped, groups.shard if plan.zero else 1))
+        if not worst or total > worst[0]:
+            worst = (total, mem, acts[r][0], buffers)
+    return dp_exposed, opt_time, worst
+
+
+def optimizer_transient(p, zero: int, n: int, largest: int, shard: int) -> int:
+    """Bytes AdamW allocates for the step on top of its states, for ``n`` fp32 entries a rank steps whose
+    largest tensor has ``largest`` entries before sharding (a parameter; ZeRO-3: a layer's bucket; ZeRO-1/2:
+    the engine's gradient bucket, at least ``BUCKET``), ``shard`` ranks sharing each: torch's per-tensor
+    path (the CPU's) makes two temporaries of the tensor it steps (``exp_avg_sq.sqrt()`` and its quotient),
+    its multi-tensor path (CUDA's default) one of every stepped tensor at once."""
+    if not p.optimizer_per_tensor:
+        return 4 * n // shard
+    if zero in (1, 2):
+        largest = max(largest, BUCKET // 4)
+    return 2 * 4 * -(-largest // shard)

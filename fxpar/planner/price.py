@@ -13,7 +13,7 @@ fp32 master state by ZeRO stage (:func:`fxpar.cost.predict.memory_per_rank`, Ada
 activations of the microbatches the schedule keeps in flight (plus the backward's transient: recomputed
 forward and the gradients alive at once, largest at the loss; and the program's outputs, kept to the
 step's end), and buffers. ``memory["total"]`` is the rank's peak, which is less than the sum of the
-parts: the gradients a step makes and its activations do not peak together (see :func:`_per_rank`).
+parts: the gradients a step makes and its activations do not peak together (see :func:`fxpar.planner.memory.per_rank`).
 
 :class:`Pricer` caches everything that does not depend on the whole plan (part times per tp, sequence
 parallelism, microbatch size and recompute; stage cuts; the schedule's DAG), so a search prices tens of
@@ -25,17 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from fxpar.cost.predict import memory_per_rank as state_bytes
 from fxpar.ir import schedule as sched
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
-from fxpar.planner.dp_groups import DpGroups, engine_times, sent_bytes
-from fxpar.planner.memory import activation_peaks
+from fxpar.planner.dp_groups import DpGroups, sent_bytes
+from fxpar.planner.memory import activation_peaks, per_rank
 from fxpar.planner.schedule_dag import critical_path
-
-ADAM_STATES = 2
-ADAM_BYTES = 28  # AdamW per fp32 entry: reads param, grad, 2 states; writes param, 2 states
-BUCKET = 25 * 2**20  # the data-parallel engine's gradient bucket
 
 __all__ = ["Estimate", "Pricer", "price_plan"]
 
@@ -152,7 +147,7 @@ class Pricer:
         if got is not None:
             return got
         got = {k: [] for k in ("F", "B", "W", "tf", "tb", "params", "kept", "trans", "outs", "tpsent", "big",
-                                "kout")}
+                                "kout", "bigt")}
         for s, e in self.cuts(n_stages, tp, sp, b, world):
             units: dict[int, float] = {}  # part -> its share in the stage (two halves of a layer: whole)
             for i, f in self.units[s:e]:
@@ -164,8 +159,20 @@ class Pricer:
             got["trans"].append(max(k[7] for k, _ in ks))
             got["outs"].append(ks[-1][0][8])
             got["big"].append(max(k[5] for k, _ in ks))
+            got["bigt"].append(max(self._largest(self.names[i], tp, sp) for i in units))
             got["tpsent"].append(sum(self._tp_sent(self.names[i], tp, sp, b) * f for i, f in units.items()))
         self._stage_cache[key] = got
+        return got
+
+    def _largest(self, name: str, tp: int, sp: bool) -> int:
+        """Entries of the largest weight tensor one op of the part reads on a tp rank (the embedding, a
+        projection): what the optimizer's per-tensor temporaries are sized by."""
+        key = ("largest", name, tp, sp)
+        got = self._kinds.get(key)
+        if got is None:
+            itemsize = 2 if self.costs.dtype in ("bf16", "fp16") else 4
+            got = self._kinds[key] = max((int(n[3]) // itemsize for n in self.costs.part(name, tp, sp).nodes),
+                                         default=0)
         return got
 
     def _tp_sent(self, name: str, tp: int, sp: bool, b: int) -> float:
@@ -247,7 +254,8 @@ class Pricer:
         z3_time = m * sum(z3[s] for s in mine[r0])
         compute = busy[r0] - tp_time - z3_time
         # data parallel: buckets reduce as they fill in the last microbatch's backward
-        dp_exposed, opt_time, worst = _per_rank(p, plan, m, mine, params, B, acts, st["big"], groups, gbytes)
+        dp_exposed, opt_time, worst = per_rank(p, plan, m, mine, params, B, acts, st["big"], groups, gbytes,
+                                                st["bigt"])
         step = makespan + dp_exposed + opt_time
         pp_comm = min(max(0.0, makespan - busy[r0]), 2 * (n_stages - 1) * comm)
         idle = max(0.0, makespan - busy[r0] - pp_comm)
@@ -320,50 +328,6 @@ def _roofline(self: Pricer, name: str, tp: int, sp: bool, b: int) -> float:
 def _owned(name: str, pp: int, n_stages: int) -> list[list[int]]:
     place = sched.stage_to_rank(name, pp, n_stages)
     return [[s for s in range(n_stages) if place[s] == r] for r in range(pp)]
-
-
-def _per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpGroups, gbytes: int) -> tuple:
-    """Over the pipeline ranks: the data-parallel time left exposed after the last microbatch's backward
-    (buckets reduce as they fill; ZeRO-1/2 then gather the updated shards), the optimizer step, and the
-    fullest rank's memory ``(peak, states, activations, buffers)``.
-
-    ``acts[r]``: the rank's peak of activations without and with the gradients its backward makes
-    (:func:`fxpar.planner.memory.activation_peaks`). The step drops the parameters' gradients when it begins
-    (``runtime/model.py``), so without data parallelism they are not there at the activations' peak;
-    the data-parallel engine keeps its flat buckets (the gradients between steps are views of them:
-    ``runtime/data_parallel.py``) and autograd's fresh gradients are copied into them as backward makes
-    them. ZeRO-2 frees each bucket's full gradients when it goes out (its flat buckets, made each step,
-    take their place); ZeRO-3 reduce-scatters each bucket's gradient at once and keeps one gathered
-    bucket (the last of the forward, for the backward that starts with it)."""
-    dp, pp = plan.dp, plan.pp
-    dp_exposed = opt_time = 0.0
-    worst: tuple = ()
-    per_n: dict[int, tuple] = {}  # ranks holding equal parameter counts share their collectives
-    for r in range(pp):
-        n = sum(params[s] for s in mine[r])
-        got = per_n.get(n)
-        if got is None:
-            red, last, gather = engine_times(p, plan.zero, n, groups, BUCKET) if dp > 1 else (0.0, 0.0, 0.0)
-            mem = state_bytes(n, plan.zero, dp, ADAM_STATES, plan.dp_replicate)
-            if plan.zero == 2 and m > 1:  # gradients accumulate whole over the microbatches
-                mem["grads"] += 4 * n
-            opt = p.optimizer_time(n // groups.shard if plan.zero else n, ADAM_BYTES)
-            got = per_n[n] = (red, last, gather, mem, sum(mem.values()), opt)
-        red, last, gather, mem, held, opt = got
-        if dp > 1:  # (ZeRO-3's gathers are in B; with HSDP its shards' all-reduce follows the backward)
-            hidden = sum(B[s] for s in mine[r]) if p.comm_overlaps else 0.0
-            dp_exposed = max(dp_exposed, max(0.0, red - hidden) + (last if p.comm_overlaps else 0.0) + gather)
-        opt_time = max(opt_time, opt)
-        buffers, made = 0, True  # whether the gradients backward makes add to the state
-        if plan.zero == 3 and dp > 1:
-            buffers, made = max(big_part[x] for x in mine[r]) * gbytes, False
-        elif plan.zero == 2 and dp > 1 and m > 1:
-            made = False  # accumulated whole over the microbatches (counted in the state)
-        before = mem["grads"] - (4 * n if dp == 1 and plan.zero == 0 else 0)  # gradients held as the step begins
-        total = held - mem["grads"] + before + buffers + acts[r][made]
-        if not worst or total > worst[0]:
-            worst = (total, mem, acts[r][0], buffers)
-    return dp_exposed, opt_time, worst
 
 
 def sched_exact(name: str, pp: int, m: int, v: int) -> bool:

@@ -115,7 +115,9 @@ def test_errors_name_the_numbers():
 def test_gradients_and_outputs_enter_the_peak_when_they_are_alive():
     """The loss's backward transient and the outputs kept to the step's end add to the activations; the
     gradients the step makes count only from the first backward on (not at a lone microbatch's loss,
-    but through the later microbatches of gradient accumulation); DDP adds no buffer to its state."""
+    but through the later microbatches of gradient accumulation); DDP adds no buffer to its state. The
+    optimizer step is a moment of its own: every state and gradient, and (CUDA's multi-tensor AdamW) a
+    temporary of every stepped entry."""
     c, p = costs(), profile()
     post = c.part("post", 1, False)
     post.grad_bytes, post.kept_out = 3 * 2**20, 5 * 2**20
@@ -124,12 +126,35 @@ def test_gradients_and_outputs_enter_the_peak_when_they_are_alive():
     n = c.params
     one = price_plan(c, Plan(), p, global_batch=8).memory
     assert one["activations"] == 8 * (kept + trans + post.kept_out)
-    assert one["total"] == 4 * n + 8 * n + max(one["activations"], 4 * n + 8 * post.kept_out)
+    step = 16 * n + 4 * n  # params, grads, 2 states, and the step's temporaries
+    assert one["total"] == max(4 * n + 8 * n + max(one["activations"], 4 * n + 8 * post.kept_out), step)
     acc = price_plan(c, Plan(microbatches=4), p, global_batch=8).memory  # 4 microbatches of 2
-    assert acc["total"] == 4 * n + 8 * n + 4 * n + 2 * (kept + trans) + 8 * post.kept_out
+    assert acc["total"] == max(4 * n + 8 * n + 4 * n + 2 * (kept + trans) + 8 * post.kept_out, step)
     ddp = price_plan(c, Plan(dp=2), p, global_batch=8).memory
     assert ddp["buffers"] == 0 and ddp["activations"] == one["activations"] // 2
-    assert ddp["total"] == 16 * n + max(ddp["activations"], 4 * n + 4 * post.kept_out)
+    assert ddp["total"] == max(16 * n + max(ddp["activations"], 4 * n + 4 * post.kept_out), step)
+
+
+def test_the_optimizer_step_peaks_with_its_temporaries():
+    """torch's per-tensor AdamW (the CPU's) makes two temporaries of the tensor it steps; its multi-tensor
+    path (CUDA's) one of everything it steps. ZeRO-1/2 step flat shards of their gradient buckets, ZeRO-3
+    of its layer buckets; each sharded over dp."""
+    from fxpar.planner.memory import BUCKET, optimizer_transient
+
+    cpu, gpu = profile(optimizer_per_tensor=True), profile()
+    assert optimizer_transient(gpu, 0, 1000, 10, 1) == 4000 and optimizer_transient(gpu, 3, 1000, 10, 4) == 1000
+    assert optimizer_transient(cpu, 0, 1000, 10, 1) == 80 and optimizer_transient(cpu, 3, 1000, 10, 4) == 24
+    assert optimizer_transient(cpu, 2, 10**9, 10, 4) == 2 * BUCKET // 4
+    c = costs()
+    layer = c.part("layer", 1, False)
+    per_tensor = price_plan(c, Plan(), cpu, global_batch=8).memory
+    itemsize = 2 if c.dtype in ("bf16", "fp16") else 4
+    largest = max(x[3] for x in c.part("pre", 1, False).nodes + layer.nodes + c.part("post", 1, False).nodes)
+    multi = price_plan(c, Plan(), gpu, global_batch=8).memory
+    # the same states; the step's temporaries: two of the largest tensor (fp32) against one of every entry
+    assert per_tensor["params"] == multi["params"] and per_tensor["optimizer"] == multi["optimizer"]
+    assert per_tensor["total"] >= 16 * c.params + 2 * 4 * largest // itemsize
+    assert multi["total"] >= 20 * c.params
 
 
 def test_pipeline_stages_may_start_mid_layer():

@@ -108,3 +108,42 @@ def test_training_step_matches_profiler():
     assert mem.end == mem.start
     profiled = _profiled_peak(step)
     assert profiled > 0 and abs(mem.peak - mem.start - profiled) <= 64
+
+
+def test_allocator_peak_counts_what_the_warm_up_left_and_frees():
+    """AllocatorPeak: a region after a warm-up under the same profiler, so the free of a block the warm-up
+    made is seen; its peak equals PeakMemory's on a training step whose gradients (made by the warm-up)
+    are dropped inside the region, and bytes counted by hand on a small case."""
+    from fxpar import zoo
+    from fxpar.runtime.memtrack import AllocatorPeak
+
+    kept = torch.zeros(1000)
+    with AllocatorPeak() as mem:
+        a = torch.zeros(250_000)  # 1 MB made by the warm-up
+        mem.mark()
+        del a  # freed inside the region: counted down
+        b = torch.zeros(500_000)  # 2 MB
+        c = b * 2  # 2 MB more: the peak
+        del b, c
+    # a (alive at the mark, 1 MB) goes, then b and c (2 MB each) are alive together: 3 MB above the start
+    # (a few bytes more: the scalar 2 wrapped in a tensor)
+    assert 0 <= mem.peak - mem.start - 3 * 10**6 <= 64 and 0 <= mem.end - mem.start + 10**6 <= 64
+    assert mem.start >= kept.nbytes + 10**6
+
+    model = zoo.build("llama", seed=0, num_hidden_layers=1)
+    batch = zoo.example_inputs("llama", model, batch=2, seq=16)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step():  # the gradients stay from one step to the next, and go when the next begins
+        opt.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        opt.step()
+
+    step()
+    with AllocatorPeak() as alloc:
+        step()
+        alloc.mark()
+        step()
+    with PeakMemory() as mem:
+        step()
+    assert alloc.start == mem.start and abs(alloc.peak - mem.peak) <= 64 and abs(alloc.end - mem.end) <= 64
