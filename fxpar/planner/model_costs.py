@@ -64,6 +64,11 @@ class RankPart:
     kept_out: int = 0  # the program's outputs the part makes (logits), per sequence: kept to the end of the step
     _times: dict = field(default_factory=dict, repr=False, compare=False)  # (profile id, batch, dtype) -> result
 
+    def largest_weight(self) -> int:
+        """Bytes of the largest weight one op of the part reads (the embedding, a projection): what the
+        optimizer's per-tensor temporaries are sized by."""
+        return max((int(n[3]) for n in self.nodes), default=0)
+
     def time(self, profile, batch: int, dtype: str) -> tuple[float, float]:
         """(forward, backward) seconds for a microbatch of ``batch`` sequences on ``profile``: each node's
         roofline time (activation bytes scale with the batch, weight bytes do not) plus one op's overhead

@@ -159,20 +159,10 @@ class Pricer:
             got["trans"].append(max(k[7] for k, _ in ks))
             got["outs"].append(ks[-1][0][8])
             got["big"].append(max(k[5] for k, _ in ks))
-            got["bigt"].append(max(self._largest(self.names[i], tp, sp) for i in units))
+            itemsize = 2 if self.costs.dtype in ("bf16", "fp16") else 4  # entries of the largest weight
+            got["bigt"].append(max(self.costs.part(self.names[i], tp, sp).largest_weight() for i in units) // itemsize)
             got["tpsent"].append(sum(self._tp_sent(self.names[i], tp, sp, b) * f for i, f in units.items()))
         self._stage_cache[key] = got
-        return got
-
-    def _largest(self, name: str, tp: int, sp: bool) -> int:
-        """Entries of the largest weight tensor one op of the part reads on a tp rank (the embedding, a
-        projection): what the optimizer's per-tensor temporaries are sized by."""
-        key = ("largest", name, tp, sp)
-        got = self._kinds.get(key)
-        if got is None:
-            itemsize = 2 if self.costs.dtype in ("bf16", "fp16") else 4
-            got = self._kinds[key] = max((int(n[3]) // itemsize for n in self.costs.part(name, tp, sp).nodes),
-                                         default=0)
         return got
 
     def _tp_sent(self, name: str, tp: int, sp: bool, b: int) -> float:
