@@ -115,13 +115,20 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
             hidden = sum(B[s] for s in mine[r]) if p.comm_overlaps else 0.0
             dp_exposed = max(dp_exposed, max(0.0, red - hidden) + (last if p.comm_overlaps else 0.0) + gather)
         opt_time = max(opt_time, opt)
-        buffers, made = 0, True  # whether the gradients backward makes add to the state
+        buffers, made, bucket = 0, True, 0  # made: whether the gradients backward makes add to the state
         if plan.zero == 3 and dp > 1:
-            buffers, made = max(big_part[x] for x in mine[r]) * gbytes, False
+            part = max(big_part[x] for x in mine[r])
+            buffers, made = part * gbytes, False
+            # a bucket's backward: the regathered bucket, its parameters' gradients and their concatenation
+            # (then gloo's reduce-scatter copy of it) alive at once; at the last bucket's, every other
+            # shard's gradient is made
+            bucket = held + (gbytes + 8) * part
         elif plan.zero == 2 and dp > 1 and m > 1:
             made = False  # accumulated whole over the microbatches (counted in the state)
-        before = mem["grads"] - (4 * n if dp == 1 and plan.zero == 0 else 0)  # gradients held as the step begins
-        total = held - mem["grads"] + before + buffers + acts[r][made]
+        # gradients held as the step begins: the step drops its stages' parameters' .grad before the forward
+        # (ZeRO-3: the shards'); the engine's buckets and ZeRO-1/2's shard gradients stay
+        before = 0 if dp == 1 and plan.zero == 0 or plan.zero == 3 else mem["grads"]
+        total = max(held - mem["grads"] + before + buffers + acts[r][made], bucket)
         stepped = max(big_part[x] for x in mine[r]) if plan.zero == 3 else max(big_tensor[x] for x in mine[r])
         total = max(total, held + optimizer_transient(p, plan.zero, n, stepped, groups.shard if plan.zero else 1))
         if not worst or total > worst[0]:

@@ -167,3 +167,16 @@ def test_pipeline_stages_may_start_mid_layer():
     layer, pre = c.part("layer", 1, False).params, c.part("pre", 1, False).params
     stage0 = pre + 4.5 * layer
     assert e.memory["params"] in (4 * stage0, 4 * (c.params - stage0))
+
+
+def test_zero3_peaks_at_the_activations_or_a_bucket_backward():
+    """ZeRO-3 drops the shards' gradients as a step begins; its peak is the later of the activations' (one
+    gathered bucket beside them) and a bucket's backward (the regathered bucket, its parameters' gradients
+    and their concatenation, with every other shard's gradient made), or the optimizer step."""
+    c, p = costs(), profile()
+    e = price_plan(c, Plan(dp=4, zero=3), p, global_batch=4).memory
+    big = max(c.part(n, 1, False).params for n in ("pre", "layer", "post"))
+    held = e["params"] + e["grads"] + e["optimizer"]
+    assert e["buffers"] == 4 * big
+    assert e["total"] == max(held - e["grads"] + e["buffers"] + e["activations"], held + 12 * big,
+                             held + 4 * c.params // 4)
