@@ -36,11 +36,14 @@ from fxpar.runtime.expert_parallel import ExpertParallelRecord
 from fxpar.runtime.generate import generate
 from fxpar.runtime.grad_norm import make_clipper
 from fxpar.runtime.liveness import guarded
+from fxpar.runtime.memtrack import trim_heap
 from fxpar.runtime.pipeline import PipelineRuntime
 from fxpar.runtime.programs import ProgramCache
 from fxpar.runtime.state import canonical_names, full_state_dict
 from fxpar.runtime.tied import make_tied_groups, sum_tied_grads
 from fxpar.runtime.zero3 import Zero3Gatherer, Zero3Regather
+
+STEP_HEAP_SLACK = 64 * 2**20  # a step gives the heap's free pages back once they pass this (memtrack.trim_heap)
 
 
 class CompiledModel:
@@ -148,6 +151,7 @@ class CompiledModel:
             work.wait()
         self.ep.finish()
         self.steps += 1
+        trim_heap(STEP_HEAP_SLACK)  # the step's freed activations and buckets go back to the system
         return loss
 
     @guarded("an inference forward")
@@ -200,9 +204,8 @@ class CompiledModel:
         return full_state_dict(self._train, self.model, self.spec, self.device, grads, ep=self.ep.info, zero3=zero3)
 
     def memory(self) -> dict[str, dict[str, int]]:
-        """Bytes this rank holds for parameters, gradients and optimizer states: ``predicted`` from parameter
-        counts (fp32 master weights); ``measured`` from the tensors once a step has run, never for a model
-        built only to price its plan."""
+        """Bytes this rank holds for parameters, gradients and optimizer states: ``predicted`` from parameter counts
+        (fp32 master weights); ``measured`` from the tensors once a step has run (never for a priced plan)."""
         program, n = self._train.program, 0
         for s in self._train.pipeline.stages_of(self.pp_rank):  # trainable tensors of each stage, whole
             n += sum(t.numel() for t in {id(t): t for t in map(program.tensor, s.params) if t.requires_grad}.values())
