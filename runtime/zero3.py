@@ -123,6 +123,9 @@ class Zero3Gatherer:
             src = b.shard.grad if self.grads else b.shard.detach()
             src = torch.zeros_like(b.shard) if src is None else src
             full = torch.empty(b.shard_numel * self.dp, dtype=src.dtype, device=src.device)
-            all_gather_single(full, src.contiguous(), group=resolve_group(self.group))
+            if self.dp == 1:  # the shard is the bucket (no group to gather over)
+                full.copy_(src)
+            else:
+                all_gather_single(full, src.contiguous(), group=resolve_group(self.group))
             self._bucket, self._pieces = b, {self.canonical(n): v for n, v in b.unflatten(full).items()}
         return self._pieces[fqn]

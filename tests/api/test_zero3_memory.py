@@ -154,3 +154,20 @@ def test_materialised_model_is_released(name, pool2):
         assert r["alive"] == 0 and r["meta"], r
         assert r["tied"] == bool(_config(name).tie_word_embeddings), r
         assert r["gather_peak"] <= r["gather_bound"], r
+
+
+def test_one_rank_zero3_and_a_taken_model_compiled_again():
+    """ZeRO-3 on one process (each shard the whole bucket) reads its full state back and trains as the
+    model; the module it took cannot be compiled again without weights (a PlanError before any
+    communication that names the fix), and can be with them."""
+    model = _build("llama")
+    batch = zoo.example_inputs("llama", _config("llama"), batch=2, seq=8)
+    compiled = fxpar.compile(model, "zero=3", example_kwargs=batch, optimizer=adamw)
+    diffs = train_against_reference(compiled, _build("llama"), adamw, batch, 2)
+    assert diffs["loss"] <= TOL and diffs["weights"] <= TOL, diffs
+    with pytest.raises(fxpar.PlanError, match="taken and freed by an earlier ZeRO-3 compile") as err:
+        fxpar.compile(model, "dp=1", example_kwargs=batch)
+    assert "weights=" in str(err.value)
+    again = fxpar.compile(model, "dp=1", example_kwargs=batch, weights=compiled.full_state_dict())
+    ref = compiled.full_state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in again.full_state_dict().items())
