@@ -1,7 +1,13 @@
-"""Stock configs just work: every zoo model with ``use_cache`` left at the transformers default (True, as
+"""Stock configs just work: zoo models with ``use_cache`` left at the transformers default (True, as
 ``from_pretrained`` gives it), compiled and trained with the batch a user has (no ``use_cache`` in it,
 at trace time or at any step), at tp=2 and at pp=2 against one process; evaluation logits come back
-without a cache; generation still runs its KV-cache programs (``fxpar.frontend.kv_cache``)."""
+without a cache; generation still runs its KV-cache programs (``fxpar.frontend.kv_cache``).
+
+Every zoo model trains with its stock config in the zoo-wide sweeps at tp=2
+(``tests/passes/tensor_parallel/test_tensor_parallel.py::test_compile_tp2``) and at pp=2 under four
+schedules (``tests/runtime/test_pipeline.py::test_zoo_pp2_matches_single_process``, the causal LMs); here
+the models that sweep leaves out (encoder-decoder, masked LM) and two causal LMs run both plans with the
+stock-specific checks (the config restored, no cache among the outputs, the programs traced)."""
 
 from __future__ import annotations
 
@@ -49,7 +55,7 @@ def stock_training(name: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", zoo.ZOO_NAMES)
+@pytest.mark.parametrize("name", sorted(set(zoo.ZOO_NAMES) - set(zoo.CAUSAL_LM_NAMES)) + ["llama", "gpt2"])
 def test_stock_config_trains_at_tp2_and_pp2(name, pool2):
     if not zoo.is_available(name):
         pytest.skip(f"transformers {transformers.__version__} has no {name}")

@@ -32,7 +32,7 @@ def _adamw(params):
 
 
 def _reference(name: str, batch: dict, steps: int):
-    model = zoo.build(name, seed=0)
+    model = zoo.build(name, seed=0, stock=True)
     opt = _adamw(model.parameters())
     out = []
     for _ in range(steps):
@@ -47,9 +47,10 @@ def _reference(name: str, batch: dict, steps: int):
 def check_schedules(name: str, pp: int, schedules: tuple[str, ...], steps: int = STEPS) -> dict:
     """On every rank: compile for each schedule, train, compare with the reference; report the worst."""
     m = 4
-    batch = zoo.example_inputs(name, zoo.tiny_config(name), batch=2 * m, seq=8)
+    # the stock config (use_cache=True, as from_pretrained gives it) and the plain batch
+    batch = zoo.example_inputs(name, zoo.tiny_config(name, stock=True), batch=2 * m, seq=8, stock=True)
     ref = _reference(name, batch, steps)
-    model = zoo.build(name, seed=0)
+    model = zoo.build(name, seed=0, stock=True)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     mb = {k: (v[:2] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     program = fxpar.trace(model, example_kwargs=mb)

@@ -112,16 +112,17 @@ def test_tp_larger_than_the_world_is_an_error_before_communication():
 
 
 def compiled_training(name: str, pp: int, tp: int, sp: bool = False, steps: int = 3, inference: bool = True) -> dict:
-    """fxpar.compile with tp (and pp): losses of 3 SGD steps, then the gathered weights and logits.
+    """fxpar.compile with tp (and pp) of the model with its stock config and the plain batch: losses of 3
+    SGD steps, then the gathered weights and logits.
 
     SGD rather than AdamW here: Adam's normalisation turns 1e-7 reduction-order differences on
     near-zero gradients into 1e-5 weight differences, which would say nothing about correctness."""
-    model = zoo.build(name, seed=0)
-    batch = zoo.example_inputs(name, model, batch=4, seq=8)
+    model = zoo.build(name, seed=0, stock=True)  # the config as from_pretrained gives it (use_cache=True)
+    batch = zoo.example_inputs(name, model, batch=4, seq=8, stock=True)
     opt = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     compiled = fxpar.compile(model, fxpar.Plan(pp=pp, tp=tp, microbatches=2, sequence_parallel=sp), example_kwargs=batch,
                              optimizer=opt, timeout=60)
-    ref = zoo.build(name, seed=0)
+    ref = zoo.build(name, seed=0, stock=True)
     diffs = train_against_reference(compiled, ref, opt, batch, steps, grads=True, every_step=False)
     logits = 0.0
     if inference:
