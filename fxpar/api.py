@@ -199,7 +199,7 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
                             timeout=timeout, program=program, weights=weights, dry=False,
                             max_grad_norm=max_grad_norm, groups=groups)
     compiled.autoplan = chosen if is_auto else None  # the ranked alternatives, for inspection
-    trim_heap(collect=True)  # what compiling freed goes back to the system, not kept as the heap's high-water mark
+    trim_heap()  # what compiling freed goes back to the system, not kept as the heap's high-water mark
     return compiled
 
 

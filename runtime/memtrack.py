@@ -63,7 +63,7 @@ def trim_heap(min_free: int = 0, collect: bool = False) -> None:
     Measured on a 168M Llama at dp=4 ZeRO-3 on 4 CPU ranks (bench/memory_vs_peers.py): about 35 MB per rank
     after compile, 370 MB after a step, for 30-65 ms against a 9 s step. ``collect``: run the garbage
     collector first (what reference cycles hold; a full collection takes about 0.2 s in a process with
-    torch and transformers loaded, so never per step)."""
+    torch and transformers loaded, so neither compile nor a step asks for it)."""
     libc = _libc()
     if libc is None:
         return
