@@ -93,3 +93,14 @@ class ShardingWarning(UserWarning):
     """A tensor-parallel plan leaves a large part of the parameters whole on every rank where they could
     be cut (correct, but it saves no memory there): warned once per compile, naming the largest such
     modules and the ``tp_plan`` entry that would cut them (:mod:`fxpar.report.tp_coverage`)."""
+
+
+class CheckpointError(FxparError):
+    """A checkpoint that cannot be written or found: ``path`` is the file or directory involved, ``reason``
+    the operating system's words for it ("No space left on device", "Permission denied") or what was
+    expected there; the message also says what still holds (the checkpoint ``latest`` names) and the fix."""
+
+    def __init__(self, message: str, *, path=None, reason: str | None = None):
+        self.path = path
+        self.reason = reason
+        super().__init__(message)
