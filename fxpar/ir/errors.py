@@ -104,3 +104,14 @@ class CheckpointError(FxparError):
         self.path = path
         self.reason = reason
         super().__init__(message)
+
+
+class InputError(PlanError):
+    """A file or name the user gave that cannot be read as given: a model argument, a weights file, a data
+    file. ``path`` is what was given (the file, the row's file, the model argument); the message names
+    what is wrong with it (the shard of N, the line, the field, the numbers) and the fix. A
+    :class:`PlanError`, so that whoever catches plan errors before communicating catches these too."""
+
+    def __init__(self, message: str, *, path=None, values: dict | None = None, fix: str | None = None):
+        self.path = path
+        super().__init__(message, values=values, fix=fix)
