@@ -124,8 +124,9 @@ def compile_rule(model: torch.nn.Module | None):
 def plan_text(plan: Plan) -> str:
     """The plan's fields that differ from the defaults, as ``Plan.parse`` reads them (``dp=4,pp=2,zero=1``)."""
     default = Plan()
-    items = [f"{f.name}={getattr(plan, f.name)}" for f in fields(Plan)
-             if f.name in ("dp", "pp", "tp") or getattr(plan, f.name) != getattr(default, f.name)]
+    values = {f.name: getattr(plan, f.name) for f in fields(Plan)}
+    items = [f"{k}={'+'.join(v) if isinstance(v, tuple) else v}" for k, v in values.items()
+             if k in ("dp", "pp", "tp") or v != getattr(default, k)]
     return ",".join(items).replace("=True", "=true").replace("=False", "=false")
 
 

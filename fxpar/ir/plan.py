@@ -6,12 +6,18 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
 import json
+import re
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
 from fxpar.ir.errors import PlanError
+from fxpar.ir.schedule import normalize_schedule
 
 SPLIT_WHERE = ("beginning", "end")
 RECOMPUTE = ("none", "layer", "selective")
@@ -43,7 +49,11 @@ class Plan:
     split_points: dict[str, str] | None = field(default=None, hash=False)
     """Explicit cuts ``{"model.layers.16": "beginning"}`` instead of the cost-balanced ones (plan files)."""
     tp_plan: Any = "auto"
-    """``"auto"`` (the model's ``base_model_tp_plan``, else inferred) or ``{fqn glob: style}`` (plan files)."""
+    """``"auto"`` (the model's ``base_model_tp_plan``, else inferred) or ``{fqn glob: style}`` (plan files),
+    used exactly as written."""
+    tp_replicate: tuple[str, ...] = ()
+    """Module FQN globs kept whole on every TP rank (style ``replicate``), on top of whichever ``tp_plan``
+    applies: ``--plan tp=4,tp_replicate=model.embed_tokens+lm_head`` (``+`` between globs), a list in a file."""
     sequence_parallel: bool = False
     """Shard the activations between TP regions along the sequence (reduce-scatter / all-gather)."""
     bucket_mb: float | None = None
@@ -83,6 +93,14 @@ class Plan:
     all-to-all; every one of the ``dp x ep`` replicas takes its own slice of the batch (docs/expert_parallel.md)."""
 
     def __post_init__(self):
+        if isinstance(self.tp_replicate, (list, str)):  # a list from JSON / Python, one glob as a string
+            object.__setattr__(self, "tp_replicate", (self.tp_replicate,) if isinstance(self.tp_replicate, str)
+                               else tuple(self.tp_replicate))
+        check_types(self)
+        try:
+            normalize_schedule(self.schedule)
+        except PlanError as e:
+            raise PlanError(f"Plan.schedule={self.schedule!r}: {e}") from None
         for name in ("dp", "pp", "tp", "ep", "dp_replicate"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -144,55 +162,192 @@ class Plan:
         return self.dp * self.ep
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as plain JSON-able values (``tp_replicate`` as a list), what ``Plan(**d)`` reads back."""
+        return {**asdict(self), "tp_replicate": list(self.tp_replicate)}
 
     @classmethod
     def parse(cls, text: str) -> Plan:
-        """``"dp=2,pp=2,tp=2,zero=1,microbatches=4,schedule=1f1b"`` -> Plan."""
-        known = {f.name: f for f in fields(cls)}
+        """``"dp=2,pp=2,tp=2,zero=1,microbatches=4,schedule=1f1b"`` -> Plan. Each value is read by its field's
+        type (:func:`field_value`); an unknown key, a key given twice or a value of the wrong kind is a
+        :class:`PlanError` naming the key, the value and what is accepted."""
         kwargs: dict[str, Any] = {}
         for item in filter(None, (s.strip() for s in text.split(","))):
-            key, sep, value = item.partition("=")
-            key = key.strip()
-            if not sep or key not in known or key in ("split_points", "tp_plan"):
-                raise PlanError(f"cannot read {item!r} in plan {text!r}; write key=value pairs with keys "
-                                f"{[k for k in known if k not in ('split_points', 'tp_plan')]} "
-                                "(split_points and tp_plan go in a plan file)")
-            value = value.strip()
-            kind = str(known[key].type)  # parsed by the field's type: a new field needs no parser change
-            if kind.endswith("| None") and value.lower() in ("none", "auto", ""):
-                kwargs[key] = None
-            elif kind in ("bool", "bool | None"):
-                kwargs[key] = value.lower() in ("1", "true", "yes", "on")
-            elif kind.startswith("float"):
-                try:
-                    kwargs[key] = float(value)
-                except ValueError:
-                    raise PlanError(f"plan: {key}={value!r} is not a number") from None
-            elif kind.startswith(("int", "Literal[0")):
-                kwargs[key] = _int(key, value)
-            else:
-                kwargs[key] = value
+            key, sep, value = (part.strip() for part in item.partition("="))
+            if not sep:
+                raise PlanError(f"plan {text!r}: cannot read {item!r}; write key=value pairs, e.g. dp=2,tp=2")
+            if key not in _TEXT_KEYS:
+                raise PlanError(f"plan {text!r}: cannot read {item!r}: {_unknown(key, _TEXT_KEYS)}"
+                                if key not in _types() else
+                                f"plan {text!r}: cannot read {item!r}: {key} is a table of strings; it goes in a plan "
+                                f"file (--plan-file plan.toml or plan.json)")
+            if key in kwargs:
+                raise PlanError(f"plan {text!r}: {key} is given twice; give each key once")
+            kwargs[key] = field_value(key, value, f"plan {text!r}")
         return cls(**kwargs)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Plan:
-        """A JSON or TOML file whose keys are Plan's fields (an optional ``[plan]`` table in TOML)."""
+        """A JSON or TOML file whose keys are Plan's fields (an optional ``[plan]`` table in TOML). Values are
+        read by their field's types as in :meth:`parse` (a string is read as ``--plan`` reads it; a boolean
+        field takes a JSON/TOML boolean or 0/1)."""
         path = Path(path)
-        text = path.read_text()
-        if path.suffix == ".toml":
-            import tomllib
-
-            data = tomllib.loads(text)
-            data = data.get("plan", data)
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
+        if path.suffix not in (".toml", ".json"):
             raise PlanError(f"plan file {path}: use .json or .toml")
-        unknown = set(data) - {f.name for f in fields(cls)}
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise PlanError(f"plan file {path}: cannot read it ({e.strerror or e})") from None
+        try:
+            if path.suffix == ".toml":
+                import tomllib
+
+                data = tomllib.loads(text)
+                data = data.get("plan", data)
+            else:
+                data = json.loads(text)
+        except ValueError as e:  # tomllib.TOMLDecodeError and json.JSONDecodeError are ValueErrors
+            raise PlanError(f"plan file {path}: not valid {path.suffix[1:].upper()}: {e}") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"plan file {path}: holds a {type(data).__name__}; write a table of Plan fields, "
+                            "e.g. {\"dp\": 2, \"tp\": 2}")
+        unknown = sorted(set(data) - set(_types()))
         if unknown:
-            raise PlanError(f"plan file {path}: unknown keys {sorted(unknown)}")
-        return cls(**data)
+            raise PlanError(f"plan file {path}: " + "; ".join(_unknown(k, _types()) for k in unknown))
+        return cls(**{k: field_value(k, v, f"plan file {path}") for k, v in data.items()})
+
+
+@functools.cache
+def _types() -> dict[str, Any]:
+    """Field name -> its type (the annotations evaluated)."""
+    return typing.get_type_hints(Plan)
+
+
+_MAPPINGS = ("split_points", "tp_plan")  # mappings: plan files only
+_TEXT_KEYS = tuple(f.name for f in fields(Plan) if f.name not in _MAPPINGS)
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
+
+
+def _unknown(key: str, known) -> str:
+    """'unknown key 'x'; did you mean 'y'? (keys: ...)' with difflib's nearest key."""
+    near = difflib.get_close_matches(key, list(known), n=1, cutoff=0.0)
+    return f"unknown key {key!r}; did you mean {near[0]!r}? (keys: {', '.join(known)})" if near else \
+        f"unknown key {key!r} (keys: {', '.join(known)})"
+
+
+def _split_type(hint) -> tuple[Any, bool]:
+    """(the type besides None, whether None is allowed) of an annotation like ``int | None``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        rest = [a for a in typing.get_args(hint) if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), len(rest) < len(typing.get_args(hint))
+    return hint, False
+
+
+def _accepted(hint) -> str:
+    """What a field of type ``hint`` accepts, in words."""
+    base, optional = _split_type(hint)
+    none = " or none" if optional else ""
+    if base is bool:
+        return "true, false, 1 or 0" + none
+    if base is int:
+        return "an integer" + none
+    if base is float:
+        return "a number" + none
+    if typing.get_origin(base) is typing.Literal:
+        return "one of " + ", ".join(str(c) for c in typing.get_args(base)) + none
+    if typing.get_origin(base) is tuple:
+        return "module globs joined by '+' (a list of strings in a file)"
+    if typing.get_origin(base) is dict:
+        return "a table of strings (plan files)" + none
+    if base is str:
+        return "a name"
+    return "'auto' or a table of {fqn glob: style} (plan files)"
+
+
+def field_value(key: str, value: Any, where: str = "plan") -> Any:
+    """``value`` for field ``key``, read by the field's type: a string as ``--plan`` writes it (booleans
+    ``true``/``false``/``1``/``0`` in any case, integers, numbers, a choice, ``none``/``auto`` where None is
+    allowed), or a JSON/TOML value (a boolean field also takes 0 and 1, a number field an integer). Raises
+    :class:`PlanError` naming ``where``, the key, the value and what the field accepts."""
+    hint = _types()[key]
+    base, optional = _split_type(hint)
+
+    def bad():
+        return PlanError(f"{where}: {key}={value!r}: {key} takes {_accepted(hint)}")
+
+    if isinstance(value, str):
+        text = value.strip()
+        low = text.lower()
+        if optional and low in ("none", "auto", ""):
+            return None
+        if base is bool:
+            if low in _TRUE + _FALSE:
+                return low in _TRUE
+            raise bad()
+        if base is int or (typing.get_origin(base) is typing.Literal and all(
+                type(c) is int for c in typing.get_args(base))):
+            if not _INT.fullmatch(text):
+                raise bad()
+            value = int(text)
+        elif base is float:
+            try:
+                return float(text)
+            except ValueError:
+                raise bad() from None
+        elif typing.get_origin(base) is tuple:
+            return tuple(g.strip() for g in text.split("+") if g.strip())
+        elif typing.get_origin(base) is typing.Literal:  # a name among the choices, in any case
+            value = next((c for c in typing.get_args(base) if str(c).lower() == low), text)
+        else:
+            value = text
+    elif base is bool and type(value) is int and value in (0, 1):  # a file's 0 / 1
+        value = bool(value)
+    elif base is float and type(value) is int:
+        value = float(value)
+    elif typing.get_origin(base) is tuple and isinstance(value, list):
+        value = tuple(value)
+    if value is None and not optional and base is not Any:
+        raise bad()
+    if value is not None and not _is_type(value, base):
+        raise bad()
+    return value
+
+
+_INT = re.compile(r"[+-]?[0-9]+")
+
+
+def _is_type(value: Any, base) -> bool:
+    """Whether ``value`` is of type ``base`` (bool is not an int here; Literal choices exactly)."""
+    origin = typing.get_origin(base)
+    if base is Any:
+        return True
+    if base is bool:
+        return type(value) is bool
+    if base is int:
+        return type(value) is int
+    if base is float:
+        return type(value) in (int, float)
+    if origin is typing.Literal:
+        return any(type(value) is type(c) and value == c for c in typing.get_args(base))
+    if origin is tuple:
+        return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+    return isinstance(value, base)
+
+
+def check_types(plan: Plan) -> None:
+    """Every field of ``plan`` of its declared type (``Plan(sequence_parallel="yes")`` is an error, not a
+    truthy string); ``tp_plan`` is ``"auto"`` or a ``{glob: style}`` table of strings."""
+    for f in fields(plan):
+        value = getattr(plan, f.name)
+        base, optional = _split_type(_types()[f.name])
+        if (value is None and not optional and base is not Any) or (value is not None and not _is_type(value, base)):
+            raise PlanError(f"Plan.{f.name}={value!r}: {f.name} takes {_accepted(_types()[f.name])}")
+    tp_plan = plan.tp_plan
+    if tp_plan != "auto" and not (isinstance(tp_plan, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in tp_plan.items())):
+        raise PlanError(f"Plan.tp_plan={tp_plan!r}: use 'auto' or a table of {{module glob: style}} "
+                        "(e.g. {'model.layers.*.mlp.up_proj': 'colwise'})")
 
 
 def _check_hsdp(plan: Plan) -> None:
@@ -211,9 +366,3 @@ def _check_hsdp(plan: Plan) -> None:
                         "parallelism (expert slices reduce over dp, dense parameters over dp x ep); use "
                         "dp_replicate=1 with ep, or ep=1 with dp_replicate")
 
-
-def _int(key: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise PlanError(f"plan: {key}={value!r} is not an integer") from None
