@@ -38,6 +38,7 @@ from fxpar.runtime.grad_norm import check_max_grad_norm
 from fxpar.runtime.groups import mesh_groups
 from fxpar.runtime.memtrack import trim_heap
 from fxpar.runtime.model import CompiledModel
+from fxpar.safetensors_check import check_weights
 from fxpar.weights import WeightSource, check_not_taken
 
 
@@ -184,6 +185,7 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
         import fxpar.runtime.kernels.cross_entropy  # noqa: F401
     if plan.collective_matmul:  # the collective matmul's kernels
         import fxpar.runtime.kernels.collective_matmul  # noqa: F401
+    check_weights(weights)  # a bad safetensors file named before this rank joins the process group
     if launch.launched_by_torchrun() and not dist.is_initialized():
         launch.init_distributed(timeout)  # torchrun started us, the script did not join: join here
     liveness.start()  # a no-op on one rank, or when init_distributed started it

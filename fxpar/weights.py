@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from fxpar.ir.errors import PlanError
 from fxpar.ir.placement import ShardLayout
 from fxpar.runtime.state import Held, flat_boxes, place_tp
+from fxpar.safetensors_check import INDEX, open_shards, shard_paths
 
 TAKEN = "_fxpar_tensors_taken"  # set on a model whose tensors :meth:`WeightSource.taking` took
 
@@ -179,9 +180,7 @@ class WeightSource:
         return self._files
 
     def _open(self) -> list:
-        from safetensors import safe_open
-
-        return [safe_open(p, framework="pt") for p in self.paths]
+        return open_shards(self.paths)  # a file the library refuses: named, with what is wrong and the fix
 
     def done(self) -> None:
         self._modules.clear()
@@ -223,11 +222,8 @@ def _directory(path: Path):
     wrote into), or a Hugging Face model directory (``model.safetensors`` or an index of shards)."""
     if (path / ".metadata").is_file() or (path / "latest").is_file():
         return CheckpointReader(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return [path / f for f in dict.fromkeys(json.loads(index.read_text())["weight_map"].values())]
-    if (path / "model.safetensors").is_file():
-        return path / "model.safetensors"
+    if (path / INDEX).is_file() or (path / "model.safetensors").is_file():
+        return shard_paths(path)  # every file the index lists, present (else an InputError naming it)
     raise PlanError(f"weights={str(path)!r}: a directory with neither an fxpar checkpoint (.metadata, latest) "
                     "nor model.safetensors / model.safetensors.index.json")
 
