@@ -7,8 +7,7 @@ Layout of ``<dir>/step_<N>/``: a torch.distributed.checkpoint (DCP) directory an
   ZeRO-3 rank's slice of a flat bucket cut back into boxes of each parameter. Each entry has one writer
   (one dp replica, one TP rank of what TP does not cut, the owning pipeline rank of a tied weight), and
   nothing is gathered: a rank holds its shards plus one chunk being serialised
-  (``tests/api/test_checkpoint.py`` measures it). Tied weights are saved once, their other names in
-  ``fxpar.json``.
+  (``tests/api/test_checkpoint.py`` measures it). Tied weights are saved once, aliases in ``fxpar.json``.
 * ``optim.<fqn>.<state>``: the optimizer's states (``exp_avg``, ``exp_avg_sq``, ``step``, ...) the same
   way, ZeRO-1/2/3 flat shards included, so :func:`load_optimizer` resumes exactly under any plan. What
   holds: optimizers whose state is per parameter entry (the ones ZeRO accepts), with one ``param_groups``
@@ -22,15 +21,19 @@ saving and loading plans are independent. :func:`load_model_state` still returns
 
 A save goes to ``step_<N>.partial`` and is renamed to ``step_<N>`` only after every rank has finished
 writing; ``<dir>/latest`` (replaced atomically) names the last complete one. A process killed during a
-save leaves ``latest`` and the checkpoint it names untouched.
+save leaves ``latest`` and the checkpoint it names untouched; a write the operating system refuses (no
+space, no permission, a read-only file system) is one :class:`CheckpointError` on every rank naming the
+file and the reason, ``latest`` untouched too (what a run resumes from, how many it keeps: ``fxpar.train.saving``).
 
 :func:`export_hf` streams the model into ``save_pretrained``'s safetensors layout, one tensor at a time.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -38,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -49,7 +53,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from fxpar.ir.errors import PlanError
+from fxpar.ir.errors import CheckpointError, PlanError
 from fxpar.runtime.liveness import guard
 from fxpar.runtime.state import Held, local_state
 from fxpar.safetensors_writer import SafetensorsWriter
@@ -100,18 +104,27 @@ class _StreamingWriter(dcp.FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner) -> torch.futures.Future:
         name = f"{plan.storage_data.prefix}0.distcp"
-        results = []
-        with open(Path(self.path) / name, "wb") as f:
-            for item in plan.items:
-                data = planner.resolve_data(item).detach().cpu()
-                if data.untyped_storage().nbytes() != data.nbytes:  # a view: torch.save would write its base
-                    data = data.clone(memory_format=torch.contiguous_format)
-                start = f.tell()
-                torch.save(data, f)
-                del data
-                results.append(WriteResult(item.index, f.tell() - start, _StorageInfo(name, start, f.tell() - start)))
-            f.flush()
-            os.fsync(f.fileno())
+        path, results = Path(self.path) / name, []
+        try:
+            with open(path, "wb") as f:
+                for item in plan.items:
+                    data = planner.resolve_data(item).detach().cpu()
+                    if data.untyped_storage().nbytes() != data.nbytes:  # a view: torch.save would write its base
+                        data = data.clone(memory_format=torch.contiguous_format)
+                    start = f.tell()
+                    torch.save(data, f)
+                    del data
+                    size = f.tell() - start
+                    results.append(WriteResult(item.index, size, _StorageInfo(name, start, size)))
+                f.flush()
+                os.fsync(f.fileno())
+        except Exception as e:
+            # torch.save reports a refused write as "unexpected pos" with the OSError only as its context,
+            # which DCP's gather of failures drops: the OSError itself travels, with the file's name
+            cause = _os_error(e)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror, cause.filename or str(path)) from e
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(results)
         return done
@@ -123,10 +136,23 @@ def save(compiled, directory: str | Path, step: int, extra: dict | None = None) 
     """Save this rank's shards of the model and the optimizer at ``step`` under ``directory/step_<N>``;
     every rank calls it. Nothing is gathered. ``extra``: JSON-able state of the training loop (the
     learning-rate schedule, the data position), the same on every rank; ``info(path)["extra"]``.
-    Returns the checkpoint's path."""
+    Returns the checkpoint's path. A write the OS refuses is a :class:`CheckpointError` (on every rank where
+    DCP writes failed, since DCP gathers its failures); the partial save is removed, ``latest`` untouched."""
     directory = Path(directory)
     final = directory / f"step_{step:08d}"
     partial = directory / f"step_{step:08d}.partial"
+    try:
+        return _save(compiled, directory, step, extra, final, partial)
+    except (OSError, CheckpointException) as e:
+        failure = _failure(e)
+        if failure is None:
+            raise
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # what a full disk needs back
+        raise _write_error(directory, final, *failure) from None
+
+
+def _save(compiled, directory: Path, step: int, extra: dict | None, final: Path, partial: Path) -> Path:
     if _rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by an earlier interrupted save
@@ -154,6 +180,59 @@ def save(compiled, directory: str | Path, step: int, extra: dict | None = None) 
         os.replace(tmp, directory / "latest")
     _barrier()
     return final
+
+
+def _os_error(error: BaseException | None) -> OSError | None:
+    """The file system's OSError behind ``error`` (itself, or along its causes and contexts), or None."""
+    for _ in range(8):
+        if isinstance(error, (ConnectionError, TimeoutError)):  # a peer, not the disk
+            return None
+        if error is None or isinstance(error, OSError):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _failure(error: BaseException) -> tuple[int, OSError] | None:
+    """(rank, OSError) of a failed save: the lowest rank whose write the OS refused, or None."""
+    if isinstance(error, CheckpointException):
+        for rank in sorted(error.failures):
+            cause = _os_error(error.failures[rank][0])
+            if cause is not None:
+                return rank, cause
+        return None
+    return None if _os_error(error) is None else (_rank(), _os_error(error))
+
+
+_FIX = {errno.ENOSPC: "free space on that file system or save to another one",
+        errno.EDQUOT: "free space within the quota or save elsewhere",
+        errno.EACCES: "save to a directory this user may write to", errno.EPERM: "save where this user may write",
+        errno.EROFS: "save to a directory on a writable file system"}
+
+
+def _write_error(directory: Path, final: Path, rank: int, error: OSError) -> CheckpointError:
+    reason = error.strerror or str(error)
+    where = error.filename or directory
+    try:
+        kept = latest(directory)
+    except OSError:  # the directory cannot be read either
+        kept = None
+    return CheckpointError(
+        f"checkpoint {final} was not written: {reason} (rank {rank} writing {where}); "
+        + (f"{directory / 'latest'} still names the complete {kept.name}" if kept else
+           f"no complete checkpoint in {directory} yet")
+        + f"; fix: {_FIX.get(error.errno, 'check that file system')}", path=where, reason=reason)
+
+
+_STEP = re.compile(r"step_(\d+)")
+
+
+def checkpoints(directory: str | Path) -> list[Path]:
+    """The complete checkpoints under ``directory`` (``step_<N>`` holding ``fxpar.json``), oldest step first."""
+    directory = Path(directory)
+    found = [p for p in directory.iterdir() if _STEP.fullmatch(p.name) and (p / "fxpar.json").is_file()] \
+        if directory.is_dir() else []
+    return sorted(found, key=lambda p: int(_STEP.fullmatch(p.name)[1]))
 
 
 def latest(directory: str | Path) -> Path | None:
