@@ -41,12 +41,13 @@ def run(args) -> int:
     from fxpar.data.tokenizer import load_tokenizer
     from fxpar.launch import init_distributed
     from fxpar.runtime.generate import window_inputs
-    from fxpar.train.models import directory_weights, load_model, model_directory
+    from fxpar.train.models import directory_weights, load_model, resolve_model
 
-    directory = model_directory(args.model)
-    if directory is None:
-        raise PlanError(f"fxpar generate: {args.model} is not a model directory (no config.json in it)",
-                        fix="pass what save_pretrained or `fxpar train --export DIR` wrote")
+    kind, directory = resolve_model(args.model)  # a directory without config.json, a hub id: named here
+    if kind != "directory":
+        raise PlanError(f"fxpar generate: {args.model} is a {'zoo name' if kind == 'zoo' else 'config file'}, which "
+                        "has neither weights nor a tokenizer", fix="pass what save_pretrained or `fxpar train "
+                        "--export DIR` wrote (config.json, safetensors weights, tokenizer)")
     weights = directory_weights(directory)  # checked before any rank communicates
     tok = load_tokenizer(directory)
     batch = encode_prompts(tok, args.prompt or [""], args.chat)

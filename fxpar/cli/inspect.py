@@ -4,10 +4,25 @@ the share of the parameters one TP rank holds (:mod:`fxpar.report.tp_coverage`).
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 
+from fxpar.ir.errors import InputError
 from fxpar.train.models import example_kwargs, load_model
+
+
+def check_module(name: str, known, what: str) -> None:
+    """``--module name`` must be one of ``known`` (module FQNs); else an :class:`InputError` saying
+    ``what`` and naming the nearest ones."""
+    known = [k for k in known if k]
+    if name in known:
+        return
+    near = difflib.get_close_matches(name, known, 5, 0.6)
+    top = sorted({k.split(".")[0] for k in known})
+    raise InputError(f"--module {name}: {what}", path=name,
+                     fix=(f"the nearest: {', '.join(near)}" if near else f"its top-level modules: {', '.join(top)}")
+                     + " (`fxpar inspect MODEL --depth -1` lists every module)")
 
 
 def priced_views(model, kwargs, plan_text: str | None) -> tuple:
@@ -31,8 +46,15 @@ def cmd_inspect(args) -> int:
     import fxpar
 
     model = load_model(args.model, meta=args.meta, layers=args.layers)
+    if args.module:  # before the trace: a typo costs no tracing
+        check_module(args.module, (n for n, _ in model.named_modules()), f"{args.model} has no module {args.module!r}")
     kwargs = example_kwargs(model, args.batch, args.seq)
     program = fxpar.trace(model, example_kwargs=kwargs, frontend=args.frontend)
+    if args.module:  # a module the traced graph never reaches
+        from fxpar.report.table import module_rows
+
+        check_module(args.module, module_rows(program), f"module {args.module!r} owns no node or parameter of "
+                     f"{args.model}'s traced graph")
     report = fxpar.inspect(program, module=args.module, depth=None if args.depth < 0 else args.depth,
                            picture=args.dot, quiet=True)
     cov, load = priced_views(model, kwargs, getattr(args, "plan", None))
