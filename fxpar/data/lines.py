@@ -16,10 +16,9 @@ file, which tell text from chat and are checked before any rank communicates.
 from __future__ import annotations
 
 import codecs
-import json
 
-from fxpar.data.spec import DataSpec, row_document
-from fxpar.ir.errors import PlanError
+from fxpar.data.spec import NO_ROWS, DataSpec, json_record, row_document
+from fxpar.ir.errors import InputError, PlanError
 
 CHUNK_BYTES = 1 << 20  # a reader's unit of the file; smaller files get smaller chunks (chunk_bytes)
 HEAD_ROWS = 32  # rows every rank reads and encodes before it communicates
@@ -72,27 +71,14 @@ def parse(spec: DataSpec, kind: str, raw: bytes, where: str):
         return None
     if spec.builder() == "text":  # one column, "text", as the text builder makes it
         return row_document(spec, kind, where, {"text": line})
-    return row_document(spec, kind, where, record(spec, line, where))
-
-
-def record(spec: DataSpec, line: str, where: str) -> dict:
-    """One JSON line as a dict."""
-    try:
-        out = json.loads(line)
-    except ValueError as e:
-        raise PlanError(f"data {spec.path}: {where} is not valid JSON: {e}",
-                        fix="fix the line; streamed reading takes JSON lines, one object per line") from e
-    if not isinstance(out, dict):
-        raise PlanError(f"data {spec.path}: {where} is a JSON {type(out).__name__}, not an object",
-                        fix="write one JSON object per line")
-    return out
+    return row_document(spec, kind, where, json_record(spec, line, where))
 
 
 def head(spec: DataSpec, rows: int = HEAD_ROWS) -> tuple[str, list, list[str]]:
     """``(kind, documents, where)`` of the file's first ``rows`` non-blank lines, each checked as any row is
     (a missing field, a wrong type: the :class:`PlanError` names the line)."""
     if spec.path.stat().st_size == 0:
-        raise PlanError(f"data {spec.path}: the file holds no rows", fix="give a file with at least one document")
+        raise InputError(f"data {spec.path}: the file is empty (0 bytes)", path=spec.path, fix=NO_ROWS)
     docs, where, kind = [], [], None
     with open(spec.path, "rb") as f:
         for number, raw in enumerate(f, 1):
@@ -102,15 +88,15 @@ def head(spec: DataSpec, rows: int = HEAD_ROWS) -> tuple[str, list, list[str]]:
             if kind is None:
                 if not decode(spec, raw, label).strip():
                     continue
-                first = None if spec.builder() == "text" else record(spec, decode(spec, raw, label), label)
+                first = None if spec.builder() == "text" else json_record(spec, decode(spec, raw, label), label)
                 kind = kind_of(spec, first)
             doc = parse(spec, kind, raw, label)
             if doc is not None:
                 docs.append(doc)
                 where.append(label)
     if not docs:
-        raise PlanError(f"data {spec.path}: the first rows hold no document (every line blank or empty)",
-                        fix="give a file with at least one document")
+        raise InputError(f"data {spec.path}: the file holds no document (every line is blank, or its text empty)",
+                         path=spec.path, fix=NO_ROWS)
     return kind, docs, where
 
 
