@@ -48,7 +48,8 @@ def _tensor_parallel(program: Program, ctx: PassContext) -> Program:
     styles = ctx.plan.tp_plan if isinstance(ctx.plan.tp_plan, dict) else None
     program, ctx.out.tp = tensor_parallel(program, ctx.mesh.tp, ctx.mesh.tp_rank, styles, group=ctx.group("tp"),
                                           shards=ctx.shared.setdefault("tp_shards", {}), keep_outputs=keep,
-                                          sequence_parallel=ctx.plan.sequence_parallel)
+                                          sequence_parallel=ctx.plan.sequence_parallel,
+                                          replicate=ctx.plan.tp_replicate)
     return program
 
 

@@ -47,7 +47,8 @@ __all__ = ["STYLES", "ShardLayout", "TpResult", "infer_styles", "resolve_styles"
 
 def tensor_parallel(program: Program, tp: int, rank: int, styles: dict[str, str] | None = None,
                     group: str | None = None, shards: dict[str, torch.Tensor] | None = None,
-                    keep_outputs: set[int] | None = None, sequence_parallel: bool = False) -> tuple[Program, TpResult]:
+                    keep_outputs: set[int] | None = None, sequence_parallel: bool = False,
+                    replicate: tuple[str, ...] = ()) -> tuple[Program, TpResult]:
     """This rank's program: sharded parameters, collectives in the graph, local shapes.
 
     ``group``: the name the collectives carry; its size must be readable from it (``"tp:0,1"``, the
@@ -63,7 +64,8 @@ def tensor_parallel(program: Program, tp: int, rank: int, styles: dict[str, str]
     group = group if group is not None else "tp:" + ",".join(map(str, range(tp)))
     shards = {} if shards is None else shards
     plan = styles if styles is not None else program.info.tp_plan
-    resolved = styles_for(program, plan, tp, user=styles is not None)  # a model's plan + inferred for the rest
+    # a model's plan + inferred for the rest, with the modules asked for whole kept whole
+    resolved = styles_for(program, plan, tp, user=styles is not None, replicate=replicate)
     sequence_parallel = sequence_parallel or "sequence_parallel" in resolved.values()
     check_heads(program, resolved, tp)
     rw, graph = rewrite_with_channels(lambda derived: Rewriter(

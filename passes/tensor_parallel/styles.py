@@ -69,18 +69,33 @@ class Styles(dict):
         self.skipped = dict(skipped or {})
 
 
-def styles_for(program: Program, plan: dict[str, str] | None, tp: int, user: bool = False) -> Styles:
+def styles_for(program: Program, plan: dict[str, str] | None, tp: int, user: bool = False,
+               replicate: tuple[str, ...] = ()) -> Styles:
     """The styles the pass uses. A user's plan (``user``): exactly its entries, strictly checked. A
     model's own ``base_model_tp_plan``: its entries this pass knows, plus column/row pairs, token
     embeddings and the LM head inferred from the graph for every module the plan does not name
-    (shared experts, MLA's kv_b_proj, extra gates, towers). No plan: everything inferred."""
+    (shared experts, MLA's kv_b_proj, extra gates, towers). No plan: everything inferred. ``replicate``
+    (``Plan.tp_replicate``): module globs kept whole, each matched module with its submodules, over
+    whichever plan applies (the inference pairs the rest around them)."""
+    whole = replicated_modules(program, replicate)
     if user:
-        return Styles(resolve_styles(program, plan or {}, strict=True))
+        return Styles({**resolve_styles(program, plan or {}, strict=True), **whole})
     taken = resolve_styles(program, plan, strict=False) if plan else {}
-    return infer_styles(program, tp, taken)
+    return infer_styles(program, tp, {**taken, **whole})
 
 
-def resolve_styles(program: Program, plan: dict[str, str], strict: bool = True) -> dict[str, str]:
+def replicated_modules(program: Program, globs: tuple[str, ...]) -> dict[str, str]:
+    """``{fqn: "replicate"}`` for every module (and parameter) a glob of ``globs`` matches and everything
+    below it; a glob that matches nothing is a PlanError naming modules near it."""
+    if not globs:
+        return {}
+    named = resolve_styles(program, {g: "replicate" for g in globs}, strict=True, what="Plan.tp_replicate entry")
+    names = [n for n, _ in program.root.named_modules()] + [n for n, _ in program.root.named_parameters()]
+    return {n: "replicate" for n in names if n in named or any(n.startswith(m + ".") for m in named)}
+
+
+def resolve_styles(program: Program, plan: dict[str, str], strict: bool = True,
+                   what: str = "tensor-parallel plan entry") -> dict[str, str]:
     """Module (or parameter) FQN -> style, from globs over FQNs; unknown styles and empty globs are
     errors. ``strict=False`` (a model's own plan): entries with a style this pass does not know are
     left out, so those modules stay replicated."""
@@ -98,7 +113,7 @@ def resolve_styles(program: Program, plan: dict[str, str], strict: bool = True) 
             continue
         if not hits:
             near = sorted({".".join(n.split(".")[:3]) for n in names if n})[:10]
-            raise PlanError(f"tensor-parallel plan entry {glob!r} matches no module; modules include {near}")
+            raise PlanError(f"{what} {glob!r} matches no module; modules include {near}")
         for n in hits:
             out[n] = style
     return out
@@ -213,7 +228,9 @@ def param_dim(program: Program, fqn: str, styles: dict[str, str], transposed: se
                                 f"{f' (packed parts {segments[fqn]})' if fqn in segments else ''}, "
                                 f"not divisible by tp={tp} and too few to give every rank a part "
                                 f"(torch.chunk's shares {chunk_sizes(size, tp)}); module {fqn.rpartition('.')[0]} "
-                                f"cannot be {style}: use a tp degree in {ok}, or mark it 'replicate'")
+                                f"cannot be {style}: use a tp degree in {ok}, or keep it whole with "
+                                f"--plan tp={tp},tp_replicate={fqn.rpartition('.')[0]} (in a plan file: "
+                                f"tp_replicate = [\"{fqn.rpartition('.')[0]}\"])")
     return d
 
 
@@ -236,7 +253,9 @@ def check_heads(program: Program, styles: dict[str, str], tp: int) -> None:
                    if n.meta.get(meta.MODULE) in planned and linear_weight(n)[0] is not None and _reaches_attention(n)})
     if not attn:
         return
-    fix = "use a tp degree that divides it, or leave the attention projections out of tp_plan"
+    glob = _layer_glob(attn[0])
+    fix = (f"use a tp degree that divides it, or keep the attention whole with --plan tp={tp},tp_replicate={glob} "
+           f"(in a plan file: tp_replicate = [\"{glob}\"])")
     for key in _HEADS:
         heads = getattr(config, key, None)
         if isinstance(heads, int) and heads % tp:
@@ -248,6 +267,11 @@ def check_heads(program: Program, styles: dict[str, str], tp: int) -> None:
         if isinstance(kv, int) and kv % tp and tp % kv:
             raise PlanError(f"{attn[0]}: {kv} key/value heads ({key}) neither divide over tp={tp} nor divide it "
                             f"(each rank needs whole KV heads or a copy of one); {fix}")
+
+
+def _layer_glob(fqn: str) -> str:
+    """``model.layers.3.self_attn`` -> ``model.layers.*.self_attn``: every layer's copy of the module."""
+    return ".".join("*" if part.isdigit() else part for part in fqn.split("."))
 
 
 def _reaches_attention(node: torch.fx.Node, depth: int = 12) -> bool:
