@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fxpar.ir.errors import PlanError
+from fxpar.ir.errors import InputError, PlanError
 
 # The files one of transformers' tokenizer classes reads; a directory with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
@@ -23,10 +23,15 @@ def load_tokenizer(model_dir, **kwargs):
     A tokenizer without a padding token gets ``pad_token = eos_token`` (as most causal-LM recipes do):
     padded positions are masked out of attention and of the loss, so the id only has to exist.
     """
+    from fxpar.train.models import hub_fix, looks_like_hub_id
+
     path = Path(model_dir)
+    if looks_like_hub_id(str(model_dir)):
+        raise InputError(f"tokenizer {str(model_dir)!r} is no local path: it looks like a Hugging Face hub id, and "
+                         "fxpar does not download tokenizers", path=model_dir, fix=hub_fix(str(model_dir)))
     if not path.is_dir():
-        raise PlanError(f"tokenizer: {path} is not a directory",
-                        fix="pass a model directory written by save_pretrained (config.json, weights, tokenizer files)")
+        raise InputError(f"tokenizer: {path} is not a directory", path=path,
+                         fix="pass a model directory written by save_pretrained (config.json, weights, tokenizer files)")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         have = sorted(p.name for p in path.iterdir())[:12]
         raise PlanError(f"tokenizer: {path} holds no tokenizer files (looked for {', '.join(TOKENIZER_FILES[:3])}, ...; "

@@ -18,6 +18,20 @@ SAVED = ("a save_pretrained directory holds config.json, the weights (model.safe
          "(tokenizer.json, tokenizer_config.json)")
 
 
+def looks_like_hub_id(spec: str) -> bool:
+    """``org/name`` that is no existing path (nor a .json file name)."""
+    return bool(HUB_ID.fullmatch(spec)) and not spec.endswith(".json") and not Path(spec).exists()
+
+
+def hub_fix(spec: str) -> str:
+    """The two ways to make a local directory of the hub repository ``spec``."""
+    local = spec.rsplit("/", 1)[1]
+    return (f"make the directory first, then pass it: `hf download {spec} --local-dir {local}` (older "
+            f"huggingface_hub: `huggingface-cli download {spec} --local-dir {local}`), or in Python "
+            f"AutoModelForCausalLM.from_pretrained({spec!r}).save_pretrained({local!r}) and "
+            f"AutoTokenizer.from_pretrained({spec!r}).save_pretrained({local!r})")
+
+
 def resolve_model(spec: str) -> tuple[str, str | Path]:
     """What the model argument of ``fxpar train / generate / plan / inspect`` names: ``("zoo", name)``,
     ``("directory", path)`` (a ``save_pretrained`` directory) or ``("config", path)`` (an HF config.json).
@@ -43,14 +57,9 @@ def resolve_model(spec: str) -> tuple[str, str | Path]:
         return "config", path
     near = difflib.get_close_matches(spec, zoo.ZOO_NAMES, 3, 0.5)
     zoo_names = ", ".join(near + [n for n in zoo.ZOO_NAMES if n not in near])  # the nearest first
-    if HUB_ID.fullmatch(spec) and not spec.endswith(".json"):
-        local = spec.rsplit("/", 1)[1]
+    if looks_like_hub_id(spec):
         raise InputError(f"model {spec!r} is no local path: it looks like a Hugging Face hub id, and fxpar does not "
-                         "download models (it reads a local save_pretrained directory)", path=spec,
-                         fix=f"make the directory first, then pass it: `hf download {spec} --local-dir {local}` "
-                             f"(older huggingface_hub: `huggingface-cli download {spec} --local-dir {local}`), or in "
-                             f"Python AutoModelForCausalLM.from_pretrained({spec!r}).save_pretrained({local!r}) and "
-                             f"AutoTokenizer.from_pretrained({spec!r}).save_pretrained({local!r})")
+                         "download models (it reads a local save_pretrained directory)", path=spec, fix=hub_fix(spec))
     raise InputError(f"model {spec!r} is neither a zoo name nor an existing path (a save_pretrained directory or a "
                      f"config.json)", path=spec, fix=f"give a model directory, a config.json or a zoo name: {zoo_names}")
 

@@ -155,6 +155,9 @@ def test_hub_id_says_how_to_make_a_local_directory(tmp_path, no_communication, c
         assert "model 'Qwen/Qwen2-0.5B' is no local path: it looks like a Hugging Face hub id" in err, (argv, err)
         assert "`hf download Qwen/Qwen2-0.5B --local-dir Qwen2-0.5B`" in err and "huggingface-cli download" in err
         assert "AutoModelForCausalLM.from_pretrained('Qwen/Qwen2-0.5B').save_pretrained('Qwen2-0.5B')" in err
+    err = _fxpar(["train", "llama", "--data", str(CHAT_FILE), "--tokenizer", "Qwen/Qwen2-0.5B"], capsys)
+    assert "tokenizer 'Qwen/Qwen2-0.5B' is no local path: it looks like a Hugging Face hub id" in err, err
+    assert "`hf download Qwen/Qwen2-0.5B --local-dir Qwen2-0.5B`" in err
 
 
 def test_neither_zoo_name_nor_path_lists_the_zoo(no_communication, capsys):
