@@ -108,7 +108,9 @@ def diagnose(spec: DataSpec, builder: str, error: Exception) -> InputError:
     ("An error occurred while generating the dataset", ``StopIteration``), so a JSON file is read again
     here, on this failure path only: a JSON-lines file line by line until the first line that does not
     parse, a JSON document whole. Otherwise the innermost cause of the library's error."""
-    if not spec.path.read_bytes().strip():
+    with open(spec.path, "rb") as f:
+        blank = not any(raw.strip() for raw in f)  # stops at the first line with something on it
+    if blank:
         return InputError(f"data {spec.path}: the file holds no rows (every line is blank)", path=spec.path, fix=NO_ROWS)
     if builder == "json":
         with open(spec.path, "rb") as f:
