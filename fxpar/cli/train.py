@@ -1,16 +1,19 @@
 """``fxpar train``: fine-tune under torchrun (the loop is :class:`fxpar.train.loop.FineTune`).
 
 MODEL is a ``save_pretrained`` directory (config.json, model.safetensors or sharded safetensors with their
-index, and its tokenizer), a zoo name or an HF config.json. Data: ``--data FILE`` (plain text, JSON
-lines with a text field, chat JSON lines with ``messages``, parquet; packed into ``--seq`` windows or,
-with ``--no-pack``, padded), ``synthetic`` random tokens, or for models without a tokenizer a text file
-read as bytes. Files over 8 MiB are streamed (``--streaming auto|on|off``, ``--shuffle-buffer N``): each
-rank reads and tokenizes only its share. Optimisation as HF Trainer: AdamW with weight-decay groups,
+index, and its tokenizer), a zoo name or an HF config.json. Data (required): ``--data FILE`` (plain
+text, JSON lines with a text field, chat JSON lines with ``messages``, parquet; packed into ``--seq``
+windows or, with ``--no-pack``, padded), ``--data synthetic`` for random tokens (a banner says so), or for
+models without a tokenizer a text file read as bytes. Files over 8 MiB are streamed (``--streaming
+auto|on|off``, ``--shuffle-buffer N``): each rank reads and tokenizes only its share. Optimisation as HF Trainer: AdamW with weight-decay groups,
 ``--lr-scheduler`` with ``--warmup``, ``--max-grad-norm``, ``--grad-accum``, ``--bf16``. ``--eval-data`` / ``--eval-every``:
 evaluation loss and perplexity. ``--metrics-out`` (JSON lines), ``--tensorboard`` (when installed).
-``--save DIR --save-every K`` writes checkpoints, ``--resume DIR`` continues from the last one (same
-losses as an uninterrupted run, under any plan), ``--export DIR`` writes a Hugging Face model and its
-tokenizer at the end.
+``--save DIR`` writes a checkpoint at the end (``--save-every K``: also every K steps;
+``--save-total-limit N``: keep the newest N). ``--resume PATH`` continues from a ``step_N`` checkpoint or
+a directory's latest (``--resume auto``: ``--save``'s latest when there is one), with the same losses as
+an uninterrupted run, under any plan. ``--export DIR`` writes a Hugging Face model and its tokenizer at
+the end. Rank 0 prints a progress line: step, loss, lr, grad norm, tokens/s, tokens seen, epoch,
+elapsed time and ETA, memory per rank.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def add_arguments(p) -> None:
                         "norm before clipping is logged ('inf': log it without clipping)")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default="synthetic", help="a data file (.txt, .jsonl, .parquet), or 'synthetic'")
+    p.add_argument("--data", default=None, help="required: a data file (.txt, .jsonl, .parquet), or 'synthetic' "
+                   "for random tokens (benchmarks, smoke tests)")
     p.add_argument("--format", default="auto", choices=("auto", "text", "json", "chat", "parquet"))
     p.add_argument("--field", default="text", help="the text field of JSON lines / parquet rows")
     p.add_argument("--messages-field", default="messages", help="the conversation field of chat rows")
@@ -60,9 +64,13 @@ def add_arguments(p) -> None:
     p.add_argument("--eval-data", default=None, help="evaluation file (the same formats as --data)")
     p.add_argument("--eval-every", type=int, default=-1, help="evaluate every K steps (-1: at the start and end)")
     p.add_argument("--meta", action="store_true", help="build on the meta device; weights from the initialiser")
-    p.add_argument("--save", default=None, help="checkpoint directory")
-    p.add_argument("--save-every", type=int, default=0)
-    p.add_argument("--resume", default=None, help="continue from the last checkpoint in this directory")
+    p.add_argument("--save", default=None, help="checkpoint directory: a checkpoint at the last step (and every "
+                   "--save-every steps), each in DIR/step_N, DIR/latest naming the newest complete one")
+    p.add_argument("--save-every", type=int, default=0, help="also save every K steps (needs --save)")
+    p.add_argument("--save-total-limit", type=int, default=None,
+                   help="keep only the newest N checkpoints in --save (never the one 'latest' names)")
+    p.add_argument("--resume", default=None, help="a step_N checkpoint, or a directory of them (its latest); "
+                   "'auto': --save's latest when there is one, else start at step 0 (for torchrun restarts)")
     p.add_argument("--export", default=None, help="write a Hugging Face model (config + safetensors) here")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--metrics-out", default=None, help="append one JSON line per logged step / evaluation here")

@@ -13,9 +13,13 @@ Everything is checked before the first collective (the model directory, the toke
 their fields (of a streamed file, its first rows), the chat template, the sequence length against the
 model's maximum, the plan), so bad input is one clear error on every rank, not a hang.
 
-Resuming (``--resume DIR``) reproduces the uninterrupted run: weights and optimizer states come from
-the checkpoint (each rank reads its own shards, under any plan), the schedule's state and the data
-position from its ``extra`` record, and every step seeds the RNG from ``(--seed, step)``.
+Nothing is chosen silently: ``--data`` has no default (``--data synthetic`` trains on random tokens and
+says so in a banner, and again when it exports); what a run resumes from, and at which step, is printed;
+saving and resuming follow :mod:`fxpar.train.saving` (``--save`` alone saves at the end). Resuming
+reproduces the uninterrupted run: weights and optimizer states come from the checkpoint (each rank reads
+its own shards, under any plan), the schedule's state, the data position and the tokens seen from its
+``extra`` record, and every step seeds the RNG from ``(--seed, step)``. The progress line and the
+metrics records: :mod:`fxpar.train.progress`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,13 @@ from fxpar.ir.batch import counted_labels
 from fxpar.ir.errors import PlanError
 from fxpar.ir.schedule import microbatches
 from fxpar.train import metrics as M
-from fxpar.train import optim, streams
+from fxpar.train import optim, saving, streams
+from fxpar.train.progress import Progress
+
+SYNTHETIC = ("data: synthetic: this run trains on random tokens (--data synthetic), not on any data of yours; "
+             "give --data FILE to fine-tune on a file")
+NO_DATA = ("no --data given: give --data FILE (plain text, JSON lines, chat JSON lines or parquet) to train on "
+           "it, or --data synthetic to train on random tokens (benchmarks, smoke tests)")
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -39,9 +49,17 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step + 1) % 2**63
 
 
-def _bar(done: int, total: int, width: int = 20) -> str:
-    filled = width * done // max(total, 1)
-    return "[" + "#" * filled + "." * (width - filled) + "]"
+def check_args(a) -> None:
+    """The options of the loop itself, before anything is read (the data and the model: further on)."""
+    if not getattr(a, "data", None):
+        raise PlanError(NO_DATA)
+    if a.steps < 0:
+        raise PlanError(f"--steps {a.steps}: give 0 or more optimizer steps")
+    if a.log_every < 1:
+        raise PlanError(f"--log-every {a.log_every}: give 1 or more steps between progress lines")
+    if a.grad_accum < 1:
+        raise PlanError(f"--grad-accum {a.grad_accum}: give 1 or more batches per optimizer step")
+    saving.check_options(a)
 
 
 class FineTune:
@@ -55,8 +73,7 @@ class FineTune:
 
         self.args = a = args
         self.accum = a.grad_accum
-        if a.grad_accum < 1:
-            raise PlanError(f"--grad-accum {a.grad_accum}: give 1 or more batches per optimizer step")
+        check_args(a)
         optim.check_schedule(a.lr_scheduler, a.warmup, a.steps)
         auto = not a.plan_file and a.plan.strip().lower() == "auto"  # chosen below, once the batch is known
         plan = None if auto else fxpar.Plan.from_file(a.plan_file) if a.plan_file else fxpar.Plan.parse(a.plan)
@@ -66,7 +83,15 @@ class FineTune:
             plan = dataclasses.replace(plan, microbatches=microbatches(plan) * self.accum)
         self.plan = plan
         directory = model_directory(a.model)
-        self.resume = checkpoint.latest(a.resume) if a.resume else None
+        self.resume, self.resume_note = saving.resume_point(a)
+        saving.check_outputs(a)  # (after resume_point: it creates --save)
+        self.start, extra = 0, {}
+        if self.resume is not None:
+            info = checkpoint.info(self.resume)
+            self.start, extra = info["step"], info.get("extra") or {}
+            if self.start > a.steps:
+                raise PlanError(f"--resume {self.resume} is at step {self.start}, past --steps {a.steps}: "
+                                f"give --steps {self.start} or more (the total, the steps done included)")
         torch.manual_seed(a.seed)
         self.model = model = load_model(a.model, meta=a.meta or self.resume is not None)
         weights = None
@@ -87,12 +112,8 @@ class FineTune:
         if a.eval_data and a.eval_every <= 0 and a.eval_every != -1:
             raise PlanError(f"--eval-every {a.eval_every}: give a positive number of steps (-1: at the start and the end only)")
         self.rank, self.world, self.device = init_distributed()  # the first step that talks to peers
-        self.start = 0
-        extra = {}
-        if self.resume is not None:
-            info = checkpoint.info(self.resume)
-            self.start, extra = info["step"], info.get("extra") or {}
-            self.say(f"resuming from {self.resume} (step {self.start})")
+        if self.resume is not None or self.resume_note:
+            self.say(f"resuming from {self.resume} (step {self.start})" if self.resume else self.resume_note)
         if "data" in extra:
             self.stream.load_state_dict(extra["data"])
         else:  # a checkpoint without a data position: the batches of the steps taken are skipped
@@ -124,6 +145,10 @@ class FineTune:
             for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr()):
                 group["lr"] = lr
         self.log = M.MetricsLog(a.metrics_out, a.tensorboard, self.rank)
+        self.saver = saving.Saver(a, self.rank)
+        # tokens seen before this run: saved with the checkpoint (older ones: every step's full batch)
+        seen = extra.get("tokens_seen", self.start * self.accum * a.batch * a.seq)
+        self.progress = Progress(self.start, a.steps, int(seen))
         self.flops = M.step_flops(self.compiled.program)
         self.device_model = M.device_model(self.device)
         self.losses: list[float] = []
@@ -149,7 +174,6 @@ class FineTune:
             print(*parts, **kw)
 
     def train_step(self, step: int) -> float:
-        from fxpar.runtime.liveness import guard
 
         if step > self.start:
             self.batch = streams.step_batch(self.stream, self.accum)
@@ -162,23 +186,22 @@ class FineTune:
         self.losses.append(loss)
         a, norm = self.args, self.compiled.last_grad_norm
         tokens = self.batch["input_ids"].numel()
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / dt,
+                  "step_s": dt, **self.progress.step(step + 1, tokens)}
         if (step + 1) % a.log_every == 0 or step + 1 == a.steps:
-            mem = M.memory_per_rank(self.compiled)
-            record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / dt,
-                      "step_s": dt, "mem_mib_per_rank": mem,
-                      "mfu": M.mfu(self.flops, dt, self.world, self.device_model),
-                      **getattr(self.stream, "progress", dict)()}  # streamed data: what is read so far
+            epoch = self.stream.epoch()
+            record.update({"mem_mib_per_rank": M.memory_per_rank(self.compiled),
+                           "mfu": M.mfu(self.flops, dt, self.world, self.device_model),
+                           **({"epoch": epoch} if epoch is not None else {}),
+                           **getattr(self.stream, "progress", dict)()})  # streamed data: what is read so far
             self.log.write(record)
-            self.say(f"{_bar(step + 1, a.steps)} step {step + 1}/{a.steps}  loss {loss:.4f}  lr {lr:.3g}  "
-                     + (f"grad norm {norm:.4f}  " if norm is not None else "")
-                     + f"{tokens / dt:,.0f} tok/s  mem/rank {max(mem):.1f} MiB", flush=True)
-        if a.save and a.save_every and (step + 1) % a.save_every == 0:
-            from fxpar import checkpoint
-
-            extra = {"scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict()}
-            with guard("saving a checkpoint"):  # a peer lost during the save is named
-                path = checkpoint.save(self.compiled, a.save, step + 1, extra=extra)
-            self.say(f"saved {path}")
+            self.say(self.progress.line(record), flush=True)
+        if self.saver.due(step + 1):
+            extra = {"scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(),
+                     "tokens_seen": self.progress.tokens}
+            path, removed = self.saver.save(self.compiled, step + 1, extra)
+            self.say(f"saved {path}" + (f" (removed {', '.join(p.name for p in removed)}: --save-total-limit "
+                                        f"{a.save_total_limit})" if removed else ""), flush=True)
         return loss
 
     def evaluate(self, step: int) -> dict:
@@ -207,12 +230,15 @@ class FineTune:
         import fxpar
 
         a = self.args
+        if a.data == "synthetic":
+            self.say(SYNTHETIC, flush=True)
         self.say(f"plan: {self.plan}  world {self.world}  device {self.device}"
                  + (f"  accumulation {self.accum}" if self.accum > 1 else "") + streams.describe(self.stream))
         if self.rank == 0:
             self.say(fxpar.inspect(self.compiled, quiet=True).stage_table())
         if self.eval_data is not None and self.start == 0:
             self.evaluate(0)
+        self.progress.began = time.perf_counter()  # elapsed and ETA count from here
         for step in range(self.start, a.steps):
             self.train_step(step)
             if self.eval_data is not None and a.eval_every > 0 and (step + 1) % a.eval_every == 0 \
@@ -226,7 +252,9 @@ class FineTune:
             checkpoint.export_hf(self.compiled, a.export)
             if self.tokenizer is not None and self.rank == 0:
                 self.tokenizer.save_pretrained(a.export)
-            self.say(f"exported {a.export} (from_pretrained loads it)")
+            self.say(f"exported {a.export} (from_pretrained loads it)" + (
+                "; its weights were trained on random tokens (--data synthetic), not on any data" if
+                a.data == "synthetic" else ""))
         if a.losses_out and self.rank == 0:
             Path(a.losses_out).write_text("\n".join(f"{x!r}" for x in self.losses) + "\n")
         self.log.close()

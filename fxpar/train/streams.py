@@ -9,6 +9,9 @@
 * :class:`ByteStream`: a text file's UTF-8 bytes as token ids in consecutive windows, for models that
   come without a tokenizer (zoo names, a bare config.json).
 
+Each stream also says where it is in its data as a fraction of epochs (``epoch()``; None for random
+tokens, which have no length), for the progress line.
+
 A training step takes ``accum`` batches of ``batch`` sequences and gives them to the compiled model as
 one global batch of ``accum x batch`` rows cut into ``accum`` times the plan's microbatches, so that
 each microbatch has the size it has without accumulation. The loss is the mean over every counted
@@ -58,6 +61,18 @@ class TokenStream:
             return {}
         return {f"data_{k}": v for k, v in self.batches.progress().items()}
 
+    def epoch(self) -> float:
+        """Epochs done: samples taken over an epoch's batches; streamed, the chunks the furthest reader has
+        read over its share of the file's (a chunk's precision, as its epoch ends when one reader's does)."""
+        b = self.batches
+        if self.kind != "streamed":
+            return b.epoch + b.index / (b.steps_per_epoch * b.batch)
+        if not b.positions:
+            return float(b.epoch)
+        chunks = max(1, -(-b.ds.size // b.chunk))
+        share = [len(range(j, chunks, b.n)) for j in range(b.n)]
+        return b.epoch + min(1.0, max(p["chunk"] / max(s, 1) for p, s in zip(b.positions, share)))
+
 
 class SyntheticStream:
     def __init__(self, vocab: int, batch: int, seq: int, seed: int):
@@ -74,6 +89,9 @@ class SyntheticStream:
 
     def load_state_dict(self, state: dict) -> None:
         self.index = int(state["index"])
+
+    def epoch(self) -> None:
+        return None
 
 
 class ByteStream:
@@ -94,6 +112,9 @@ class ByteStream:
 
     def state_dict(self) -> dict:
         return {"kind": "bytes", "index": self.index}
+
+    def epoch(self) -> float:
+        return self.index / (self.raw.numel() // self.need)
 
     def load_state_dict(self, state: dict) -> None:
         self.index = int(state["index"])

@@ -112,7 +112,8 @@ def test_train_under_torchrun_saves_and_resumes_under_another_plan(tmp_path):
     reshard, so its steps 3 and 4 are the uninterrupted run's (same-plan resumption after a lost rank:
     tests/cli/test_train_resume.py)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "-m", "fxpar", "train", "llama", "--batch", "4", "--seq", "16", "--steps", "4", "--max-grad-norm", "0.5"]
+                "-m", "fxpar", "train", "llama", "--data", "synthetic", "--batch", "4", "--seq", "16", "--steps", "4",
+                "--max-grad-norm", "0.5"]
     first = _run(torchrun + ["--plan", "pp=2", "--save", str(tmp_path / "ckpt"), "--save-every", "2",
                              "--export", str(tmp_path / "hf"), "--losses-out", str(tmp_path / "first.txt")])
     assert first.returncode == 0, first.stderr[-3000:]

@@ -66,6 +66,6 @@ def test_sequence_longer_than_the_model_allows(model_dir, no_communication, caps
 
 
 def test_bad_schedule_and_accumulation(model_dir, no_communication, capsys):
-    assert "--grad-accum 0" in _train([str(model_dir), "--grad-accum", "0"], capsys)
-    err = _train([str(model_dir), "--lr-scheduler", "cosine_wobble"], capsys)
+    assert "--grad-accum 0" in _train([str(model_dir), "--data", "synthetic", "--grad-accum", "0"], capsys)
+    err = _train([str(model_dir), "--data", "synthetic", "--lr-scheduler", "cosine_wobble"], capsys)
     assert "cosine_wobble" in err and "cosine" in err

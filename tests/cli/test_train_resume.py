@@ -1,6 +1,6 @@
-"""``torchrun --max-restarts 1 -m fxpar train ... --save D --resume D`` survives a rank killed after a
-checkpoint: torchrun starts the group again, the run resumes from ``latest`` and its per-step losses equal
-those of a run that never stopped.
+"""``torchrun --max-restarts 1 -m fxpar train ... --save D --resume auto`` survives a rank killed after a
+checkpoint: torchrun starts the group again, the run resumes from ``D/latest`` (the first attempt, with no
+checkpoint yet, starts at step 0) and its per-step losses equal those of a run that never stopped.
 
 The killing is done by this file run as a script: it wraps ``fxpar.checkpoint.save`` so that rank 1 of the
 first attempt (``TORCHELASTIC_RESTART_COUNT=0``) SIGKILLs itself right after the save of step ``KILL_AFTER``,
@@ -42,7 +42,7 @@ def _killing_train(argv: list[str]) -> int:
 
 def _torchrun(tmp_path, name: str, extra: list[str], restarts: int) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--max-restarts", str(restarts), HERE, "llama", "--plan", "pp=2,microbatches=2", "--batch", "4",
+           "--max-restarts", str(restarts), HERE, "llama", "--data", "synthetic", "--plan", "pp=2,microbatches=2", "--batch", "4",
            "--seq", "16", "--steps", str(STEPS), "--losses-out", str(tmp_path / f"{name}.losses"), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FXPAR_TIMEOUT": "30"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
@@ -58,10 +58,11 @@ def _printed(stdout: str) -> dict[int, float]:
 def test_torchrun_restart_resumes_from_latest_with_the_same_losses(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     restarted = _torchrun(tmp_path, "restarted", ["--save", ckpt, "--save-every", str(SAVE_EVERY),
-                                                  "--resume", ckpt], restarts=1)
+                                                  "--resume", "auto"], restarts=1)
     out = restarted.stdout + restarted.stderr
     assert restarted.returncode == 0, out[-4000:]
     assert (tmp_path / "killed").read_text() == f"rank 1: SIGKILL after saving step {KILL_AFTER}"
+    assert f"--resume auto: no checkpoint in {ckpt} yet: starting at step 0" in restarted.stdout, out[-4000:]
     assert f"resuming from {ckpt}/step_{KILL_AFTER:08d} (step {KILL_AFTER})" in restarted.stdout, out[-4000:]
     whole = _torchrun(tmp_path, "whole", [], restarts=0)
     assert whole.returncode == 0, (whole.stdout + whole.stderr)[-4000:]
