@@ -133,9 +133,14 @@ class Saver:
 
 def prune(directory: str | Path, keep: int) -> list[Path]:
     """Remove all but the ``keep`` newest complete checkpoints under ``directory`` (by step, as Trainer's
-    ``save_total_limit``), never the one ``latest`` names. Returns what it removed."""
-    kept = checkpoint.latest(directory)
-    removed = [p for p in checkpoint.checkpoints(directory)[:-keep] if p != kept]
-    for p in removed:
-        shutil.rmtree(p)
+    ``save_total_limit``), never the one ``latest`` names. Returns what it removed; what it cannot remove
+    is said on stdout (the run goes on: its checkpoints are intact)."""
+    kept, removed = checkpoint.latest(directory), []
+    for p in [p for p in checkpoint.checkpoints(directory)[:-keep] if p != kept]:
+        try:
+            shutil.rmtree(p)
+            removed.append(p)
+        except OSError as e:
+            print(f"fxpar train: --save-total-limit {keep}: could not remove {p}: {e.strerror or e} "
+                  f"({e.filename or p})", flush=True)
     return removed
