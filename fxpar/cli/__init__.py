@@ -13,10 +13,13 @@ Examples::
     fxpar plan examples/configs/llama3-70b.json --meta --auto --world 1024 --device h100-80gb \
         --global-batch 1024 --seq 8192             # the best plan, the top 5, the hand-made baseline
     fxpar inspect gpt2 --plan tp=2               # + what TP cuts per module, what it leaves whole and why
-    torchrun --nproc_per_node 8 -m fxpar train llama --plan dp=2,pp=2,tp=2,zero=1 --steps 5
+    torchrun --nproc_per_node 8 -m fxpar train llama --plan dp=2,pp=2,tp=2,zero=1 --data synthetic --steps 5
+    fxpar launch --nproc_per_node 8 train llama --plan dp=2,pp=2,tp=2,zero=1 --data synthetic --steps 5
+                                                 # the same through torchrun; a failure is one message
     torchrun --nproc_per_node 2 -m fxpar train config.json --meta --plan pp=2 --data notes.txt \
         --save ckpt --save-every 50 --export out/
-    torchrun --nproc_per_node 4 -m fxpar train llama --plan dp=4 --resume ckpt   # load under another plan
+    torchrun --nproc_per_node 4 -m fxpar train llama --plan dp=4 --data synthetic --resume ckpt
+                                                 # load under another plan
     torchrun --nproc_per_node 2 -m fxpar generate out/ --plan tp=2 --chat --prompt "Hi" --max-new-tokens 32
 """
 
@@ -26,6 +29,7 @@ import argparse
 import logging
 import sys
 
+from fxpar.cli import failures
 from fxpar.cli.calibrate import add_arguments as add_calibrate_arguments
 from fxpar.cli.calibrate import cmd_calibrate
 from fxpar.cli.generate import add_arguments as add_generate_arguments
@@ -66,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default=None, help="with tp > 1 (e.g. tp=2): also what the plan's tensor parallelism "
                    "cuts and leaves whole per module, and why")
     p.set_defaults(func=cmd_inspect)
+    sub.add_parser("launch", add_help=False, help="torchrun -m fxpar COMMAND, a failure reported in one message: "
+                   "fxpar launch [torchrun options] COMMAND [args]")  # main runs it (fxpar.cli.launch)
     z = sub.add_parser("zoo", help="list the built-in tiny models")
     z.set_defaults(func=cmd_zoo)
     t = sub.add_parser("train", help="train under torchrun (see examples below)", epilog="examples:" + EPILOG,
@@ -103,21 +109,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _commands(parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    return tuple(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices)
+
+
+def _setup_logging() -> None:
+    """fxpar's own news (a program compiled for new input shapes, a dropped one) on stderr, one line each.
+    Under a launcher rank 0 speaks for the job: the other ranks show only warnings and errors, named by rank
+    (the ranks run the same program, so their INFO lines would repeat rank 0's)."""
+    logger = logging.getLogger("fxpar")
+    if logger.handlers:
+        return
+    rank = failures.rank() if failures.multi_rank() else 0
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else f"rank {rank}: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; returns its exit status (0; 2 for a user error). How a failure is reported on one
+    process and under a launcher: :mod:`fxpar.cli.failures`."""
     from fxpar.ir.errors import FxparError
 
-    # fxpar's own news (a program compiled for new input shapes, a dropped one) on stderr, one line each
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger("fxpar")
-    if not logger.handlers:
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if argv[:1] == ["launch"]:
+        from fxpar.cli import launch
 
+        return launch.main(argv[1:], commands=_commands(parser))
+    _setup_logging()
     try:
+        args = failures.parse_args(parser, argv)
         return args.func(args)
     except FxparError as e:
-        print(f"fxpar: {e}", file=sys.stderr)
-        return 2
-
+        return failures.user_error(f"fxpar: {e}", e)
+    except Exception as e:
+        if not failures.multi_rank():
+            raise  # one process: Python's own traceback
+        return failures.bug(e)
