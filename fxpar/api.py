@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from fxpar import auto, launch, passes
-from fxpar.cost.device import H100, DeviceModel
+from fxpar.cost.device import DeviceModel
 from fxpar.cost.flops import annotate_costs
 from fxpar.cost.partition import balanced_cuts, resolve_split_points
 from fxpar.cost.predict import annotate_stages, memory_per_rank
@@ -130,7 +130,7 @@ def _world() -> tuple[int, int]:
 
 
 def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
-            *, optimizer=None, device=None, device_model: DeviceModel = H100, frontend: str = "auto",
+            *, optimizer=None, device=None, device_model: DeviceModel | None = None, frontend: str = "auto",
             timeout: float | None = None, program: Program | None = None, weights=None,
             max_grad_norm: float | None = None, param_groups=None) -> CompiledModel:
     """Compile ``model`` for ``plan`` on this rank (call it on every rank with the same arguments).
@@ -178,7 +178,7 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
         chosen = auto.plan_for_compile(model, example_args, dict(example_kwargs or {}), world=auto.world_size(),
                                        device=device, optimizer=optimizer, frontend=frontend)
         plan = chosen.best
-        if device_model is H100:  # the pipeline cuts balanced on the profile the plan was priced on
+        if device_model is None:  # the pipeline cuts balanced on the profile the plan was priced on
             device_model = chosen.profile.device_model()
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     if plan.fused_loss:  # the fused loss's kernels (loaded on demand: the module imports triton)
@@ -196,6 +196,8 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
         auto.announce(chosen, rank)
     feasibility.check_world(plan, world)
     device = device if device is not None else launch.device_for_model(model)
+    # cuts balanced and stage times predicted on this device's profile (fxpar.auto.device_profile)
+    device_model = device_model if device_model is not None else auto.device_model_for(model, plan, device)
     with liveness.guard("compile"):
         compiled = _compile(model, plan, MeshSpec.for_plan(plan, rank), example_args, example_kwargs,
                             optimizer=optimizer, device=device, device_model=device_model, frontend=frontend,
@@ -207,12 +209,14 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
 
 
 def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
-          *, rank: int = 0, optimizer=None, device_model: DeviceModel = H100, frontend: str = "auto",
+          *, rank: int = 0, optimizer=None, device_model: DeviceModel | None = None, frontend: str = "auto",
           weights=None, param_groups=None) -> CompiledModel:
     """What ``plan`` does on rank ``rank`` of its world, built on this one process without any process
     group: stages, placements, collectives, buckets, memory and predicted times (``fxpar.inspect`` reads
-    them). The result cannot run; ``step`` and ``__call__`` raise."""
+    them). The result cannot run; ``step`` and ``__call__`` raise. ``device_model``: what the cuts are
+    balanced and the times predicted on (None: this machine's profile, :func:`fxpar.auto.device_profile`)."""
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
+    device_model = device_model if device_model is not None else auto.device_model_for(model, plan)
     mesh = MeshSpec.for_plan(plan, rank)
     priced = _compile(model, plan, mesh, example_args, example_kwargs, optimizer=optimizer, device=None,
                       device_model=device_model, frontend=frontend, timeout=None, program=None, weights=weights,

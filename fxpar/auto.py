@@ -39,17 +39,42 @@ def parse_memory(value: int | float | str | None) -> int | None:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def resolve_profile(device: str | DeviceProfile | torch.device | None) -> DeviceProfile:
-    """A :class:`DeviceProfile` as given, a profile name (``"h100-80gb"``) or a JSON path written by
-    ``fxpar calibrate``, a ``torch.device`` (its own profile), or None (``$FXPAR_PROFILE``, this host's
-    calibrated profile, else ``"cpu"``)."""
-    from fxpar.cost.profiles import load_profile, profile_for_device
+def device_profile(device: str | DeviceProfile | torch.device | None = None) -> tuple[DeviceProfile, str]:
+    """The device profile predictions are for, and why, in words: the one rule ``fxpar plan`` (with and
+    without ``--auto``), ``fxpar train --plan auto`` and ``fxpar.compile`` follow.
+
+    ``device``: a :class:`DeviceProfile`, or a profile name (``"h100-80gb"``, ``"cpu"``: the built-in one) or
+    the JSON path ``fxpar calibrate`` wrote (``--device``): that one, as asked. A ``torch.device``: the device
+    the ranks compute on; None: this machine's (its GPU when one is visible, else the CPU). A CUDA device
+    gets its own profile (by its name, with the memory it reports); the CPU the profile ``$FXPAR_PROFILE``
+    names, else the one ``fxpar calibrate`` wrote (``~/.cache/fxpar/profile.json``), else the built-in
+    rough ``cpu`` profile."""
+    from fxpar.cost.profiles import DEFAULT_PATH, load_profile, profile_for_device
 
     if isinstance(device, DeviceProfile):
-        return device
-    if isinstance(device, torch.device):
-        return profile_for_device(device)
-    return load_profile(device)
+        return device, "as given"
+    if isinstance(device, str):
+        return load_profile(device), "asked for"
+    gpu = torch.cuda.is_available()
+    dev = torch.device(device) if device is not None else torch.device("cuda" if gpu else "cpu")
+    if dev.type == "cuda" and gpu:
+        return profile_for_device(dev), f"this machine's GPU, {torch.cuda.get_device_name(dev)}"
+    where = "no GPU on this machine" if not gpu else f"the ranks compute on the {dev.type.upper()}"
+    if os.environ.get("FXPAR_PROFILE"):
+        return load_profile(None), f"{where}: the profile FXPAR_PROFILE names ({os.environ['FXPAR_PROFILE']})"
+    if DEFAULT_PATH.expanduser().exists():
+        return load_profile(None), f"{where}: this host's profile from `fxpar calibrate` ({DEFAULT_PATH})"
+    return load_profile(None), (f"{where} and no calibrated profile: the built-in rough CPU profile; "
+                                "`fxpar calibrate` measures this host")
+
+
+def device_model_for(model: torch.nn.Module, plan: Plan, device=None):
+    """The :class:`~fxpar.cost.device.DeviceModel` ``compile`` balances pipeline cuts and predicts stage times
+    with: :func:`device_profile`'s profile of ``device`` (None: this machine's), for the dtype the step
+    computes in (bf16 under ``mixed_precision="bf16"``, else the model's parameters')."""
+    param = next(iter(model.parameters()), None)
+    dtype = "bf16" if plan.mixed_precision == "bf16" else str(param.dtype if param is not None else torch.float32)
+    return device_profile(torch.device(device) if device is not None else None)[0].device_model(dtype)
 
 
 def tp_degrees(world: int, ranks_per_node: int) -> tuple[int, ...]:
@@ -59,14 +84,15 @@ def tp_degrees(world: int, ranks_per_node: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, cap + 1) if world % d == 0)
 
 
-def autoplan(model: torch.nn.Module, world_size: int, *, device: str | DeviceProfile | None = "h100-80gb",
+def autoplan(model: torch.nn.Module, world_size: int, *, device: str | DeviceProfile | torch.device | None = None,
              memory_per_rank: int | str | None = None, global_batch: int, seq: int, dtype: str | None = None,
              top: int = 5, costs=None, frontend: str = "auto"):
     """The best plan for training ``model`` on ``world_size`` ranks of ``device``, with the ranked alternatives.
 
     ``device``: a profile name (``"h100-80gb"``, ``"h200-141gb"``, ``"a100-80gb"``, ``"cpu"``), the path of
-    a profile ``fxpar calibrate`` wrote, a :class:`~fxpar.cost.profiles.DeviceProfile`, or None for this
-    host's calibrated profile. ``memory_per_rank``: bytes or ``"80GB"``; None takes the profile's.
+    a profile ``fxpar calibrate`` wrote, a :class:`~fxpar.cost.profiles.DeviceProfile`, a ``torch.device``, or
+    None for this machine's device (:func:`device_profile`: its GPU, else the calibrated CPU profile, else the
+    built-in one). ``memory_per_rank``: bytes or ``"80GB"``; None takes the profile's.
     ``global_batch`` sequences of ``seq`` tokens per optimizer step. ``dtype``: ``"fp32"`` or ``"bf16"``
     (None: the model's). ``costs``: a :class:`~fxpar.planner.model_costs.ModelCosts` already computed for
     this ``seq`` (skips the trace). Returns an :class:`~fxpar.planner.search.AutoPlan`: ``.best`` (a
@@ -81,15 +107,56 @@ def autoplan(model: torch.nn.Module, world_size: int, *, device: str | DevicePro
     from fxpar.planner.model_costs import model_costs
     from fxpar.planner.search import search
 
-    profile = resolve_profile(device)
+    profile, why = device_profile(device)
     if costs is None:
         costs = model_costs(model, seq, tp_degrees=tp_degrees(world_size, profile.ranks_per_node), dtype=dtype,
                             frontend=frontend)
     elif costs.seq != seq:
         raise PlanError(f"fxpar.autoplan: the costs given were computed for seq={costs.seq}, not seq={seq}; "
                         "compute them again with fxpar.planner.model_costs.model_costs(model, seq)")
-    return search(costs, world_size, profile, global_batch=global_batch,
-                  memory_per_rank=parse_memory(memory_per_rank), top=top, allow=compile_rule(model))
+    chosen = search(costs, world_size, profile, global_batch=global_batch,
+                    memory_per_rank=parse_memory(memory_per_rank), top=top, allow=compile_rule(model))
+    chosen.seq, chosen.profile_why = seq, why
+    return chosen
+
+
+def explain(auto) -> str:
+    """Why ``auto`` (an :class:`~fxpar.planner.search.AutoPlan`) chose its plan, in a few lines: the plan, the
+    device its times are for and why, its predicted step time and memory per rank against the runner-up's
+    and the hand-made baseline's, and what ruled the others out. ``fxpar plan --auto`` and ``fxpar train
+    --plan auto`` print it."""
+    est = auto.estimate
+
+    def line(what: str, e) -> str:
+        return (f"  {what} {plan_text(e.plan)}: {_ms(e.step_time)}/step ({e.step_time / est.step_time:.2f}x), "
+                f"{_gb(e.memory['total'])} per rank")
+
+    lines = [f"plan 'auto': {plan_text(auto.best)} for {auto.world} ranks of {auto.profile.name}"
+             + (f" ({auto.profile_why})" if auto.profile_why else ""),
+             f"  why: the fastest of {len(auto.ranked)} plans that fit: predicted {_ms(est.step_time)}/step, "
+             f"{_gb(est.memory['total'])} per rank (of {_gb(auto.profile.memory)}), MFU {100 * est.mfu:.1f}%, for a "
+             f"global batch of {auto.global_batch} x {auto.seq} tokens"]
+    if len(auto.ranked) > 1:
+        lines.append(line("runner-up", auto.ranked[1]))
+    if auto.baseline is not None:
+        lines.append(line("hand-made baseline", auto.baseline)
+                     + ("" if auto.baseline.fits else " (does not fit)"))
+    slower = auto.reasons.get("time", 0)
+    why = {"memory": "do not fit in memory", "not allowed": "refused by compile", "divisibility": "do not divide "
+           "the model or the batch", "topology": "would put TP across nodes", "schedule": "refused by the schedule"}
+    ruled = ", ".join(f"{n} {why.get(reason, reason)}" for reason, n in
+                      sorted(auto.reasons.items(), key=lambda kv: -kv[1]) if reason != "time")
+    lines.append(f"  the others: {slower} slower" + (f"; {ruled}" if ruled else "")
+                 + " (fxpar plan --auto lists them)")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.3g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.3g} MiB"
 
 
 def tied_parameters(model: torch.nn.Module | None) -> list[list[str]]:
@@ -153,15 +220,18 @@ def world_size() -> int:
 
 
 def plan_for_compile(model, example_args: tuple, example_kwargs: dict, *, world: int, device,
-                     optimizer, frontend: str):
-    """The AutoPlan ``compile(model, "auto")`` runs: ``world`` ranks of this device's profile, the example
-    batch's global batch and length. Pure: every rank gets the same one (checked by :func:`check_same_plan`)."""
+                     optimizer, frontend: str, dtype: str | None = None):
+    """The AutoPlan ``compile(model, "auto")`` and ``fxpar train --plan auto`` run: :func:`autoplan` for
+    ``world`` ranks of this device's profile (:func:`device_profile`), the example batch's global batch and
+    length, computing in ``dtype`` (None: the model's); ``fxpar plan --auto`` calls :func:`autoplan` with the
+    same rule and defaults, so the same inputs choose the same plan. Pure: every rank gets the same one
+    (checked by :func:`check_same_plan`)."""
     if optimizer is None:
         raise PlanError("compile(model, 'auto') chooses a plan for training steps, and data parallelism and ZeRO "
                         "need the optimizer: pass optimizer=lambda params: torch.optim.AdamW(params, ...) "
                         "(or give a plan, e.g. compile(model, 'pp=2', ...), for inference)")
     batch, seq = example_shape(example_args, example_kwargs)
-    return autoplan(model, world, device=resolve_profile(torch.device(device)), global_batch=batch, seq=seq,
+    return autoplan(model, world, device=torch.device(device), global_batch=batch, seq=seq, dtype=dtype,
                     frontend=frontend)
 
 
@@ -194,10 +264,6 @@ def check_same_plan(plan: Plan, world: int) -> None:
 
 
 def announce(auto, rank: int) -> None:
-    """Rank 0 prints one line: the chosen plan and its prediction."""
-    if rank != 0:
-        return
-    est = auto.estimate
-    print(f"fxpar: plan 'auto' for {auto.world} ranks of {auto.profile.name}: {plan_text(auto.best)} "
-          f"(predicted {est.step_time:.4g} s/step, MFU {100 * est.mfu:.1f}%, {len(auto.ranked)} feasible plans "
-          f"ranked in {auto.seconds:.2f} s)", flush=True)
+    """Rank 0 prints why it chose the plan (:func:`explain`)."""
+    if rank == 0:
+        print("fxpar: " + explain(auto), flush=True)

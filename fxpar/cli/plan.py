@@ -1,11 +1,18 @@
 """``fxpar plan``: what a plan does (stages, collectives, memory, with tp > 1 the TP coverage per
 module) without launching; with ``--auto`` the plan the planner chooses for a world of ranks on a device
-profile, the ranked alternatives and the usual hand-made plan beside it; ``--json`` for machines."""
+profile, the ranked alternatives and the usual hand-made plan beside it; ``--json`` for machines.
+
+Both say which device profile their times are for and why (:func:`fxpar.auto.device_profile`: ``--device``,
+else this machine's GPU, else the calibrated CPU profile, else the built-in one), the rule ``fxpar train``
+and ``fxpar.compile`` follow; ``--auto`` takes ``fxpar train``'s defaults (``--batch``, ``--seq``) and calls
+the same :func:`fxpar.autoplan`, so both choose the same plan for the same inputs."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
+import warnings
 
 import torch
 
@@ -23,10 +30,18 @@ def cmd_plan(args) -> int:
         return cmd_auto(args)
     if args.world is not None:
         raise fxpar.PlanError(f"fxpar plan: --world {args.world} is for --auto (a given plan's degrees set its world)")
+    from fxpar.auto import device_profile
+
     plan = fxpar.Plan.from_file(args.plan_file) if args.plan_file else fxpar.Plan.parse(args.plan)
+    profile, why = device_profile(args.device)
     model = load_model(args.model, meta=args.meta)
     kwargs = example_kwargs(model, args.batch, args.seq)
-    priced = price(model, plan, example_kwargs=kwargs, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    with warnings.catch_warnings(record=True) as caught:  # fxpar's warnings about the plan, printed plainly
+        warnings.simplefilter("always")
+        priced = price(model, plan, example_kwargs=kwargs, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                       device_model=profile.device_model("bf16" if plan.mixed_precision else _dtype(model)))
+    for w in caught:
+        print(f"fxpar: warning: {w.message}", file=sys.stderr)
     report = fxpar.inspect(priced, quiet=True)
     if getattr(args, "json", False):
         data = report.to_dict()
@@ -46,6 +61,7 @@ def cmd_plan(args) -> int:
         mesh = (f"DeviceMesh(({dp_axis}={plan.dp}, ep={plan.ep}, pp={plan.pp}, tp={plan.tp}), 'cpu', "
                 f"stride=({plan.ep * plan.pp * plan.tp}, {plan.pp * plan.tp}, {plan.tp}, 1))")
     print(f"plan {plan.to_dict()} on {plan.world_size} ranks, mesh {mesh}; rank 0 shown")
+    print(f"predicted times are for {profile.name} ({why}); --device names another profile")
     print(report.to_text())
     if plan.ep > 1 and priced.ep.stats:  # the example batch routed on this process (rank 0's ep group)
         from fxpar.runtime.expert_parallel import format_load
@@ -69,6 +85,7 @@ def cmd_auto(args) -> int:
     model = load_model(args.model, meta=args.meta)
     built = time.perf_counter()
     batch = args.global_batch if args.global_batch is not None else args.batch
+    # what fxpar train --plan auto calls (fxpar.auto.plan_for_compile), with its defaults and device rule
     auto = autoplan(model, args.world, device=args.device, memory_per_rank=args.memory, global_batch=batch,
                     seq=args.seq, top=args.top, dtype=args.dtype)
     done = time.perf_counter()
@@ -77,10 +94,17 @@ def cmd_auto(args) -> int:
         data["timings"] = {"build_s": built - start, "plan_s": done - built}
         print(json.dumps(data, indent=2, default=str))
         return 0
-    dtype = args.dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
+    from fxpar.auto import explain
+
+    dtype = args.dtype or _dtype(model)
     print(f"fxpar plan --auto: {args.model}, {args.world} ranks of {auto.profile.name}, global batch {batch} x "
           f"seq {args.seq}, computing in {dtype}")
+    print(explain(auto) + "\n")
     print(auto.to_text(top=args.top))
     print(f"model built in {built - start:.2f} s, costed and searched in {done - built:.2f} s "
           f"(search {auto.seconds:.2f} s)")
     return 0
+
+
+def _dtype(model) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")

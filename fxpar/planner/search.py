@@ -61,6 +61,8 @@ class AutoPlan:
     seconds: float
     excluded: list[tuple[str, str]] = field(default_factory=list)  # combinations never priced, with reasons
     global_batch: int = 0
+    seq: int = 0  # tokens per sequence the plans were priced for
+    profile_why: str = ""  # why the predictions are for this profile (fxpar.auto.device_profile)
 
     def to_text(self, top: int = 5) -> str:
         e = self.estimate
@@ -121,7 +123,8 @@ class AutoPlan:
             return d
         return {"best": est(self.estimate), "ranked": [est(x) for x in self.ranked[:top]],
                 "baseline": est(self.baseline) if self.baseline else None, "reasons": dict(self.reasons),
-                "world": self.world, "profile": self.profile.name, "seconds": self.seconds,
+                "world": self.world, "profile": self.profile.name, "profile_why": self.profile_why, "seq": self.seq,
+                "global_batch": self.global_batch, "seconds": self.seconds,
                 "priced": len(self.ranked) + len(self.rejected), "feasible": len(self.ranked),
                 "excluded": [list(x) for x in self.excluded[:50]]}
 

@@ -88,7 +88,8 @@ def test_plan_command_shows_stages_collectives_and_memory():
                  "activation memory per rank, predicted"):
         assert text in r.stdout, (text, r.stdout[-3000:])
     assert "measured" not in r.stdout  # nothing has run
-    header = r.stdout.splitlines()[1]
+    header = next(line for line in r.stdout.splitlines() if " traced with " in line)
+    assert "predicted times are for " in r.stdout  # the device profile, named
     assert re.search(r"forward \d[\d.]*MFLOPs, backward \d[\d.]*MFLOPs per microbatch on one TP rank of 2", header)
     for layer in ("0", "1"):  # every layer costs something, forward and backward
         row = re.search(rf"^ +{layer} +\S+ +(\S+) +(\S+) ", r.stdout, re.M)
