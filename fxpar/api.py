@@ -32,6 +32,7 @@ from fxpar.ir.stage import CompileResult
 from fxpar.passes.expert_parallel import expert_regions, router_load
 from fxpar.passes.lower_collectives import lower_collectives
 from fxpar.planner import feasibility
+from fxpar.planner.stage_check import warn_pipeline
 from fxpar.report.tp_coverage import warn_if_replicated
 from fxpar.runtime import liveness
 from fxpar.runtime.grad_norm import check_max_grad_norm
@@ -103,6 +104,8 @@ class _Builder:
                 feasibility.check_split_points(self.cuts, plan, setup.n_stages)
             else:
                 self.cuts = balanced_cuts(program, setup.n_stages, self.device_model)
+            if self.mesh.rank == 0:  # stages nearly empty or a large bubble: the numbers and a better plan, once
+                warn_pipeline(program, self.cuts, plan, setup, self.device_model)
         ctx = passes.PassContext(plan, self.mesh, self.device, cuts=self.cuts, stage_to_rank=list(setup.stage_to_rank),
                                  load=self._load if self.weights is not None else None,
                                  load_flat=self.weights.load_flat if self.weights is not None else None,

@@ -204,10 +204,12 @@ def balanced_cuts(program: Program, n_stages: int, device: DeviceModel = H100,
         return []
     cands = cut_positions(program, candidate_modules(program, extra))
     if len(cands) < n_stages - 1:
+        blocks = sum(_is_block(program, m) for m in cands.values())
         raise PlanError(
             f"{n_stages} pipeline stages need {n_stages - 1} cuts, but {program.info.model_class} offers only "
-            f"{len(cands)} cut points ({', '.join(list(cands.values())[:8])}{'...' if len(cands) > 8 else ''}); "
-            "use fewer stages (pp x virtual_stages), or name more modules to cut at in split_points")
+            f"{len(cands)} cut points ({', '.join(list(cands.values())[:8])}{'...' if len(cands) > 8 else ''}): "
+            f"at most {len(cands) + 1} stages (pp x virtual_stages); with its {blocks} decoder layers, "
+            f"{blocks} stages give each one layer; use fewer stages, or name more modules to cut at in split_points")
     costs = _Costs(program, device)
     pts = [0] + list(cands) + [len(costs.times)]
     k = len(pts) - 1

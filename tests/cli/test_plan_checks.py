@@ -124,3 +124,48 @@ def test_plan_auto_and_train_auto_choose_the_same_plan(model_dir, cpu_machine, n
     assert re.search(r"why: the fastest of \d+ plans that fit: predicted [0-9.]+ ms/step, [0-9.]+ MiB per rank", why)
     assert "runner-up" in why and "hand-made baseline" in why and "the others: " in why
 
+
+# ---- 2. pipelines with nearly empty stages or a large bubble ------------------------------------------------
+def _number(text: str) -> float:
+    """'16.4K' -> 16400.0, '3.3M' -> 3.3e6 (the tables' human numbers)."""
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9}
+    return float(text[:-1]) * scale[text[-1]] if text[-1] in scale else float(text)
+
+
+def test_stages_nearly_empty_warn_with_the_numbers_and_a_better_plan(deep_dir, cpu_machine, no_communication,
+                                                                     capsys, caplog):
+    out, _ = _cli(["plan", str(deep_dir), "--plan", "pp=16", "--batch", "16"], capsys)
+    warning = caplog.text
+    head = re.search(r"pipeline pp=16 \(16 stages, 1f1b, 16 microbatches\) on LlamaForCausalLM with 4 decoder "
+                     r"layers: (\d+) of 16 stages are nearly empty \(under 10% of the busiest stage's FLOPs: "
+                     r"stages ([\d, ]+)\) and the schedule idles ([\d.]+)% of the step", warning)
+    assert head, warning
+    rows = re.findall(r"^ +(\d+) +(\d+)(?: \(\+(\d+) cut\))? +(\S+) +(\S+)  (\S.*)$", warning, re.M)
+    assert [int(r[0]) for r in rows] == list(range(16)), warning
+    # the table's numbers add up to the model's own totals, which the report prints from the trace
+    params = re.search(r"traced with frontend=\S+: \d+ ops, (\S+) params, forward (\S+)FLOPs, backward (\S+)FLOPs", out)
+    assert abs(sum(_number(r[3]) for r in rows) / _number(params.group(1)) - 1) < 0.02
+    total = _number(params.group(2)) + _number(params.group(3))
+    assert abs(sum(_number(r[4]) for r in rows) / total - 1) < 0.02
+    empty = [int(i) for i in head.group(2).split(", ")]
+    busiest = max(_number(r[4]) for r in rows)
+    assert len(empty) == int(head.group(1)) >= 4 and all(_number(rows[i][4]) < 0.1 * busiest for i in empty)
+    assert float(head.group(3)) > 50
+    assert "better: use pp=4 (each of its 4 stages at least one of the 4 decoder layers), e.g. --plan dp=4,pp=4 " \
+           "on the same 16 ranks" in warning
+
+
+def test_a_large_bubble_warns_and_names_a_microbatch_count(deep_dir, cpu_machine, no_communication, capsys, caplog):
+    _cli(["plan", str(deep_dir), "--plan", "pp=4,microbatches=1", "--batch", "16"], capsys)
+    # one microbatch runs the stages one after another: each rank idles 3/4 of the step
+    assert "pipeline pp=4 (4 stages, 1f1b, 1 microbatch) on LlamaForCausalLM with 4 decoder layers: the schedule " \
+           "idles 75.0% of the step" in caplog.text
+    assert "nearly empty" not in caplog.text
+    assert re.search(r"better: use more microbatches: microbatches=16 idles \d+\.\d% of the step$", caplog.text, re.M)
+
+
+def test_more_stages_than_cut_points_is_an_error_naming_the_numbers(deep_dir, no_communication, capsys):
+    _, err = _cli(["plan", str(deep_dir), "--plan", "pp=32", "--batch", "32"], capsys, status=2)
+    assert "32 pipeline stages need 31 cuts, but LlamaForCausalLM offers only 18 cut points" in err
+    assert "at most 19 stages (pp x virtual_stages); with its 4 decoder layers, 4 stages give each one layer" in err
+
