@@ -30,7 +30,7 @@ def stage_flops(compiled) -> list[dict]:
     rows = []
     for s in compiled.pipeline.stages:
         fwd, bwd = graph_flops(s.gm)
-        rows.append({"stage": s.index, "rank": s.rank, "flops": fwd, "bwd_flops": bwd})
+        rows.append({"stage": s.index, "pp_rank": s.rank, "flops": fwd, "bwd_flops": bwd})
     return rows
 
 
@@ -38,9 +38,9 @@ def format_flops(compiled) -> str:
     rows = stage_flops(compiled)
     tp, m = compiled.plan.tp, compiled.m
     fwd, bwd = graph_flops(compiled.result.traced.gm)
-    lines = [("stage", "rank", "fwd FLOPs", "bwd FLOPs")]
-    lines += [(str(r["stage"]), str(r["rank"]), human(r["flops"]), human(r["bwd_flops"])) for r in rows]
-    mine = [r for r in rows if r["rank"] == compiled.pp_rank]
+    lines = [("stage", "pp rank", "fwd FLOPs", "bwd FLOPs")]
+    lines += [(str(r["stage"]), str(r["pp_rank"]), human(r["flops"]), human(r["bwd_flops"])) for r in rows]
+    mine = [r for r in rows if r["pp_rank"] == compiled.pp_rank]
     text = [f"compute per microbatch on one TP rank (unsharded model: forward {human(fwd)}FLOPs, backward "
             f"{human(bwd)}FLOPs{f', over tp={tp}' if tp > 1 else ''})", "", columns(lines, left=-1)]
     text.append(f"pp rank {compiled.pp_rank} per step ({m} microbatches): forward "

@@ -172,7 +172,7 @@ def partition_dot(stages: list[dict], collectives: list[dict], title: str) -> st
     for st in stages:
         i = st["stage"]
         lines.append(f"  subgraph cluster_stage{i} {{")
-        label = f"stage {i} on pp rank {st['rank']}: {human(st['params'])} params"
+        label = f"stage {i} on pp rank {st['pp_rank']}: {human(st['params'])} params"
         lines.append(f"    label={_dot_id(label)}; style=filled; color=\"#e8eef8\";")
         layers: list[str] = []
         for m in st["modules"] or [st["from"]]:

@@ -32,7 +32,7 @@ class Report:
         if self.compiled is None:
             return []
         params = self.program.params
-        return stage_rows(self.compiled.pipeline, lambda f: params[f].numel)
+        return stage_rows(self.compiled.pipeline, lambda f: params[f].numel, getattr(self.compiled, "spec", None))
 
     def stage_table(self) -> str:
         c = self.compiled

@@ -18,16 +18,38 @@ def _boundary(stage: StageSpec) -> list[str]:
             for name, b, cons in stage.sends()]
 
 
-def stage_rows(pipeline: PipelineProgram, params_of) -> list[dict]:
-    """One row per stage; ``links`` on each: bytes it sends per microbatch to each later stage, read
-    from the routing table (what the runtime sends), beside the cost model's ``recv_bytes`` /
-    ``send_bytes``."""
+def stage_ranks(spec, pp_rank: int) -> list[int]:
+    """The global ranks that run pipeline rank ``pp_rank``'s stages: every rank of the ``dp x ep x pp x tp``
+    mesh (:class:`~fxpar.ir.mesh.MeshSpec`) whose ``pp`` coordinate is ``pp_rank``, as
+    ``DeviceMesh["pp"]``'s coordinate selects them."""
+    return sorted(spec.rank_of(dp=d, ep=e, pp=pp_rank, tp=t) for d in range(spec.dp) for e in range(spec.ep)
+                  for t in range(spec.tp))
+
+
+def rank_ranges(ranks: list[int], most: int = 4) -> str:
+    """``[0, 1, 4, 5]`` -> ``0-1,4-5``; past ``most`` runs, the first ones and the count."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs]
+    return ",".join(text) if len(text) <= most else ",".join(text[:most - 1]) + f",... ({len(ranks)} ranks)"
+
+
+def stage_rows(pipeline: PipelineProgram, params_of, spec=None) -> list[dict]:
+    """One row per stage; ``pp_rank``: the pipeline rank that runs it, ``ranks``: the global ranks that do
+    (with ``spec``, the plan's :class:`~fxpar.ir.mesh.MeshSpec`); ``links`` on each: bytes it sends per
+    microbatch to each later stage, read from the routing table (what the runtime sends), beside the cost
+    model's ``recv_bytes`` / ``send_bytes``."""
     links = pipeline.links()
     rows = []
     for s in pipeline.stages:
         nxt = pipeline.stages[s.index + 1].first_module if s.index + 1 < len(pipeline.stages) else "(end)"
         rows.append({
-            "stage": s.index, "rank": s.rank, "from": s.first_module or "(start)", "to": nxt,
+            "stage": s.index, "pp_rank": s.rank, "ranks": stage_ranks(spec, s.rank) if spec is not None else None,
+            "from": s.first_module or "(start)", "to": nxt,
             "params": sum(params_of(f) for f in s.params), "fwd_s": s.fwd_time, "bwd_s": s.bwd_time,
             "transfer_s": s.transfer_time,
             "recv_bytes": s.recv_bytes, "send_bytes": s.send_bytes, "sends": _boundary(s),
@@ -43,12 +65,17 @@ def _secs(s: float) -> str:
 
 def format_stage_table(rows: list[dict], predicted: dict | None = None, schedule: str = "",
                        microbatches: int = 0) -> str:
-    head = ("stage", "rank", "modules", "params", "fwd", "bwd", "transfer", "recv", "send")
+    """The stage table: ``pp rank`` is the pipeline rank that runs a stage (its coordinate on the mesh's
+    ``pp`` dimension), ``ranks`` the global ranks with that coordinate (each holds its dp / tp share)."""
+    ranks = all(r.get("ranks") is not None for r in rows)
+    head = ("stage", "pp rank", *(("ranks",) if ranks else ()), "modules", "params", "fwd", "bwd", "transfer",
+            "recv", "send")
     lines = [head]
     for r in rows:
         last = r["modules"][-1] if r["modules"] else r["from"]
         span = r["from"] if last == r["from"] else f"{r['from']} .. {last}"
-        lines.append((str(r["stage"]), str(r["rank"]), span, human(r["params"]),
+        lines.append((str(r["stage"]), str(r["pp_rank"]), *((rank_ranges(r["ranks"]),) if ranks else ()), span,
+                      human(r["params"]),
                       _secs(r["fwd_s"]), _secs(r["bwd_s"]), _secs(r["transfer_s"]), human(r["recv_bytes"], "B"),
                       human(r["send_bytes"], "B")))
     text = [columns(lines, left=2)]

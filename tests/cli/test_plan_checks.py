@@ -169,3 +169,21 @@ def test_more_stages_than_cut_points_is_an_error_naming_the_numbers(deep_dir, no
     assert "32 pipeline stages need 31 cuts, but LlamaForCausalLM offers only 18 cut points" in err
     assert "at most 19 stages (pp x virtual_stages); with its 4 decoder layers, 4 stages give each one layer" in err
 
+
+# ---- 5. the stage table's pipeline ranks --------------------------------------------------------------------
+def test_stage_table_names_pp_ranks_and_their_global_ranks(deep_dir, cpu_machine, no_communication, capsys, caplog):
+    from fxpar.ir.mesh import MeshSpec
+
+    out, _ = _cli(["plan", str(deep_dir), "--plan", "dp=2,pp=2,tp=2"], capsys)
+    assert "pipeline pp=2" not in caplog.text  # two stages of two layers each: nothing to warn about
+    assert re.search(r"^stage +pp rank +ranks +modules +params", out, re.M), out
+    rows = re.findall(r"^ +(\d) +(\d) +(\S+) +(?:\(start\)|model)", out, re.M)
+    assert [(s, p) for s, p, _ in rows] == [("0", "0"), ("1", "1")]
+    mesh = MeshSpec(dp=2, pp=2, tp=2)
+    for _, pp_rank, ranks in rows:  # every global rank whose pp coordinate is the stage's pipeline rank
+        assert ranks == {"0": "0-1,4-5", "1": "2-3,6-7"}[pp_rank]
+        assert sorted(r for r in range(8) if mesh.coords(r)["pp"] == int(pp_rank)) == \
+            [r for part in ranks.split(",") for r in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)]
+    assert re.search(r"^stage +pp rank +fwd FLOPs +bwd FLOPs", out, re.M)
+    data = json.loads(_cli(["plan", str(deep_dir), "--plan", "dp=2,pp=2,tp=2", "--json"], capsys)[0])
+    assert [(s["pp_rank"], s["ranks"]) for s in data["stages"]] == [(0, [0, 1, 4, 5]), (1, [2, 3, 6, 7])]
