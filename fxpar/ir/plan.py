@@ -173,6 +173,9 @@ class Plan:
         kwargs: dict[str, Any] = {}
         for item in filter(None, (s.strip() for s in text.split(","))):
             key, sep, value = (part.strip() for part in item.partition("="))
+            if not sep and key.lower() == "auto":
+                raise PlanError(f"plan {text!r}: 'auto' is chosen by the planner, not parsed: fxpar plan --auto "
+                                "--world N, fxpar train --plan auto, or fxpar.compile(model, 'auto')")
             if not sep:
                 raise PlanError(f"plan {text!r}: cannot read {item!r}; write key=value pairs, e.g. dp=2,tp=2")
             if key not in _TEXT_KEYS:

@@ -62,6 +62,8 @@ def test_integers_must_be_integers(name, bad):
     ("tp=2,micro_batches=4", r"unknown key 'micro_batches'; did you mean 'microbatches'\?"),
     ("tp=2,tp=4", r"tp is given twice"),
     ("tp_plan=auto", r"tp_plan is a table of strings; it goes in a plan file"),
+    ("tp2", r"cannot read 'tp2'; write key=value pairs"),
+    ("auto", r"'auto' is chosen by the planner, not parsed: fxpar plan --auto"),
 ])
 def test_bad_values_name_the_key_the_value_and_what_is_accepted(text, match):
     with pytest.raises(PlanError, match=match):
