@@ -26,6 +26,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -87,16 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("model")
     q.add_argument("--plan", default="dp=1")
     q.add_argument("--plan-file", default=None)
-    q.add_argument("--batch", type=int, default=8, help="global batch (sequences), as fxpar train's --batch")
-    q.add_argument("--seq", type=int, default=32, help="tokens per sequence, as fxpar train's --seq")
+    q.add_argument("--batch", type=int, default=8)
+    q.add_argument("--seq", type=int, default=32)
     q.add_argument("--meta", action="store_true")
     q.add_argument("--json", action="store_true", help="print the plan's report as JSON")
     q.add_argument("--auto", action="store_true", help="choose the plan: the best for --world ranks of --device, "
                    "the top alternatives, the hand-made baseline, why the others lost")
     q.add_argument("--world", type=int, default=None, help="with --auto: the number of ranks")
-    q.add_argument("--device", default=None, help="the device profile the times are for: a name (h100-80gb, "
-                   "h200-141gb, a100-80gb, cpu) or a profile JSON written by `fxpar calibrate` (default: this "
-                   "machine's GPU, else the CPU profile `fxpar calibrate` wrote, else the built-in cpu one)")
+    q.add_argument("--device", default="h100-80gb", help="with --auto: a profile name (h100-80gb, h200-141gb, "
+                   "a100-80gb, cpu) or a profile JSON written by `fxpar calibrate`")
     q.add_argument("--global-batch", type=int, default=None, help="with --auto: sequences per optimizer step "
                    "(default --batch)")
     q.add_argument("--memory", default=None, help="with --auto: memory per rank, e.g. 80GB (default: the profile's)")
@@ -114,18 +114,41 @@ def _commands(parser: argparse.ArgumentParser) -> tuple[str, ...]:
     return tuple(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices)
 
 
-def _setup_logging() -> None:
-    """fxpar's own news (a program compiled for new input shapes, a dropped one) on stderr, one line each.
-    Under a launcher rank 0 speaks for the job: the other ranks show only warnings and errors, named by rank
-    (the ranks run the same program, so their INFO lines would repeat rank 0's)."""
+class _Stderr(logging.StreamHandler):
+    """A handler writing to ``sys.stderr`` as it is when a record comes, not as it was when the handler was
+    made (as logging's own last-resort handler does): a caller that swaps stderr (pytest's capture, a
+    redirect) and closes its stream later leaves no handler writing to a closed file."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+@contextlib.contextmanager
+def _logging():
+    """fxpar's own news (a program compiled for new input shapes, a dropped one) on stderr, one line each, for
+    the duration of a command (a caller that configured the ``fxpar`` logger itself keeps its set-up). Under a
+    launcher rank 0 speaks for the job: the other ranks show only warnings and errors, named by rank (the ranks
+    run the same program, so their INFO lines would repeat rank 0's)."""
     logger = logging.getLogger("fxpar")
     if logger.handlers:
+        yield
         return
     rank = failures.rank() if failures.multi_rank() else 0
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else f"rank {rank}: %(message)s"))
+    level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    try:
+        yield
+    finally:  # a command run in-process (a test, a notebook) leaves the logger as it found it
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,13 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         from fxpar.cli import launch
 
         return launch.main(argv[1:], commands=_commands(parser))
-    _setup_logging()
-    try:
-        args = failures.parse_args(parser, argv)
-        return args.func(args)
-    except FxparError as e:
-        return failures.user_error(f"fxpar: {e}", e)
-    except Exception as e:
-        if not failures.multi_rank():
-            raise  # one process: Python's own traceback
-        return failures.bug(e)
+    with _logging():
+        try:
+            args = failures.parse_args(parser, argv)
+            return args.func(args)
+        except FxparError as e:
+            return failures.user_error(f"fxpar: {e}", e)
+        except Exception as e:
+            if not failures.multi_rank():
+                raise  # one process: Python's own traceback
+            return failures.bug(e)

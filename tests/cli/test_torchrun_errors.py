@@ -133,18 +133,24 @@ def test_a_bug_keeps_its_traceback_with_the_rank_named(as_rank, monkeypatch, cap
     assert "RuntimeError: boom" in json.loads(path.read_text())["message"]["extraInfo"]["py_callstack"]
 
 
-def test_rank_0_speaks_for_the_job_at_info(as_rank, monkeypatch, capsys):
+def _news(args):
+    logging.getLogger("fxpar.runtime.programs").info("fxpar: compiling program 1")
+    logging.getLogger("fxpar").warning("fxpar: a warning")
+    return 0
+
+
+@pytest.mark.parametrize("rank,shown", [(0, "fxpar: compiling program 1\nfxpar: a warning\n"),
+                                        (1, "rank 1: fxpar: a warning\n")])
+def test_rank_0_speaks_for_the_job_at_info(as_rank, monkeypatch, capsys, rank, shown):
     """The "compiling program" line (INFO on the ``fxpar`` logger) comes from rank 0 only; a warning from
-    another rank still shows, named."""
+    another rank still shows, named. The command leaves the logger as it found it."""
     logger = logging.getLogger("fxpar")
-    monkeypatch.setattr(logger, "handlers", [])
-    monkeypatch.setattr(logger, "level", logger.level)
-    monkeypatch.setattr("fxpar.cli.cmd_zoo", lambda args: 0)
-    as_rank(1)
+    before = (list(logger.handlers), logger.level)
+    monkeypatch.setattr("fxpar.cli.cmd_zoo", _news)
+    as_rank(rank)
     assert main(["zoo"]) == 0
-    logger.info("fxpar: compiling program 1")
-    logger.warning("fxpar: a warning")
-    assert capsys.readouterr().err == "rank 1: fxpar: a warning\n"
+    assert capsys.readouterr().err == shown
+    assert (logger.handlers, logger.level) == before
 
 
 def test_launcher_prints_the_lowest_failed_ranks_record(tmp_path):
