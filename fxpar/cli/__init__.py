@@ -88,15 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("model")
     q.add_argument("--plan", default="dp=1")
     q.add_argument("--plan-file", default=None)
-    q.add_argument("--batch", type=int, default=8)
-    q.add_argument("--seq", type=int, default=32)
+    q.add_argument("--batch", type=int, default=8, help="global batch (sequences), as fxpar train's --batch")
+    q.add_argument("--seq", type=int, default=32, help="tokens per sequence, as fxpar train's --seq")
     q.add_argument("--meta", action="store_true")
     q.add_argument("--json", action="store_true", help="print the plan's report as JSON")
     q.add_argument("--auto", action="store_true", help="choose the plan: the best for --world ranks of --device, "
                    "the top alternatives, the hand-made baseline, why the others lost")
     q.add_argument("--world", type=int, default=None, help="with --auto: the number of ranks")
-    q.add_argument("--device", default="h100-80gb", help="with --auto: a profile name (h100-80gb, h200-141gb, "
-                   "a100-80gb, cpu) or a profile JSON written by `fxpar calibrate`")
+    q.add_argument("--device", default=None, help="the device profile the times are for: a name (h100-80gb, "
+                   "h200-141gb, a100-80gb, cpu) or a profile JSON written by `fxpar calibrate` (default: this "
+                   "machine's GPU, else the CPU profile `fxpar calibrate` wrote, else the built-in cpu one)")
     q.add_argument("--global-batch", type=int, default=None, help="with --auto: sequences per optimizer step "
                    "(default --batch)")
     q.add_argument("--memory", default=None, help="with --auto: memory per rank, e.g. 80GB (default: the profile's)")
