@@ -122,10 +122,13 @@ class FineTune:
         self.data_start = self.stream.state_dict()  # where this run's data begins (saved, for a resumed one)
         self.batch = streams.step_batch(self.stream, self.accum)
         if auto:  # the planner prices the whole step's batch (its microbatches cover the accumulation)
-            from fxpar.auto import plan_for_compile
+            from fxpar.auto import explain, plan_for_compile
 
-            plan = plan_for_compile(model, (), self.batch, world=self.world, device=self.device,
-                                    optimizer=optim.adamw_factory(a.lr, a.weight_decay), frontend="auto").best
+            chosen = plan_for_compile(model, (), self.batch, world=self.world, device=self.device,
+                                      optimizer=optim.adamw_factory(a.lr, a.weight_decay), frontend="auto",
+                                      dtype="bf16" if a.bf16 else None)  # as `fxpar plan --auto --dtype bf16`
+            self.say(explain(chosen))
+            plan = chosen.best
             self.plan = plan = dataclasses.replace(plan, mixed_precision="bf16") if a.bf16 else plan
         self.compiled = fxpar.compile(model, plan, example_kwargs=self.batch, device=self.device, weights=weights,
                                       optimizer=optim.adamw_factory(a.lr, a.weight_decay),

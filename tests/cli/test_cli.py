@@ -135,6 +135,7 @@ def test_train_under_torchrun_saves_and_resumes_under_another_plan(tmp_path):
     assert auto.returncode == 0, auto.stderr[-3000:]
     chosen = re.search(r"plan: (Plan\(.*?\))", auto.stdout)
     assert chosen and "step 2/2" in auto.stdout, auto.stdout[-2000:]
+    assert "plan 'auto': " in auto.stdout and "  why: the fastest of " in auto.stdout, auto.stdout[-2000:]
     planned = [float(x) for x in (tmp_path / "auto.txt").read_text().split()]
     assert max(abs(a - b) for a, b in zip(planned, uninterrupted[:2])) < 1e-5, (chosen.group(1), planned, uninterrupted)
 
