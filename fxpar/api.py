@@ -190,7 +190,7 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
         import fxpar.runtime.kernels.collective_matmul  # noqa: F401
     check_weights(weights)  # a bad safetensors file named before this rank joins the process group
     if launch.launched_by_torchrun() and not dist.is_initialized():
-        feasibility.check_world(plan, int(os.environ["WORLD_SIZE"]))  # a world the plan does not fit: before joining
+        launch.check_launch_world(plan)  # a world the plan does not fit: before joining
         launch.init_distributed(timeout)  # torchrun started us, the script did not join: join here
     liveness.start()  # a no-op on one rank, or when init_distributed started it
     world, rank = _world()

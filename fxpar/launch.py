@@ -53,6 +53,16 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 
 
+def check_launch_world(plan) -> None:
+    """A plan the launch's world (torchrun's ``WORLD_SIZE``) does not fit, refused before this rank joins the
+    process group: a rank that fails later leaves its peers a half-formed group (gloo's 'connectFullMesh
+    failed' on the terminal)."""
+    from fxpar.planner.feasibility import check_world
+
+    if plan is not None and os.environ.get("WORLD_SIZE") and not dist.is_initialized():
+        check_world(plan, int(os.environ["WORLD_SIZE"]))
+
+
 def _attempt_store(seconds: float) -> dict:
     """Under torchrun's agent store: the store, rank and world for ``init_process_group``, with the keys of
     this attempt under their own prefix. torchrun (2.13) keeps one store for every restart of the group and

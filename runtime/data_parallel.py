@@ -171,7 +171,7 @@ class DataParallelEngine:
 
     def close(self) -> None:
         """Remove the gradient hooks from the parameters (also done when the engine is collected)."""
-        for h in self.hooks:
+        for h in getattr(self, "hooks", ()):  # an engine whose __init__ raised has none yet
             h.remove()
         self.hooks = []
 

@@ -25,6 +25,7 @@ metrics records: :mod:`fxpar.train.progress`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from pathlib import Path
 
@@ -59,7 +60,27 @@ def check_args(a) -> None:
         raise PlanError(f"--log-every {a.log_every}: give 1 or more steps between progress lines")
     if a.grad_accum < 1:
         raise PlanError(f"--grad-accum {a.grad_accum}: give 1 or more batches per optimizer step")
+    for flag, value in (("--batch", a.batch), ("--seq", a.seq)):
+        if value < 1:
+            raise PlanError(f"{flag} {value}: give 1 or more")
+    for flag, value in (("--lr", a.lr), ("--weight-decay", a.weight_decay)):
+        if not math.isfinite(value) or value < 0:
+            raise PlanError(f"{flag} {value}: give a finite number, 0 or more")
+    if a.max_grad_norm is not None and not (a.max_grad_norm > 0):  # 'inf' is allowed: log without clipping
+        raise PlanError(f"--max-grad-norm {a.max_grad_norm}: give a positive norm ('inf': log it without clipping)")
     saving.check_options(a)
+
+
+def given_plan(a):
+    """The plan of ``--plan`` / ``--plan-file`` with ``--bf16`` and ``--grad-accum`` applied."""
+    from fxpar.ir.plan import Plan
+
+    plan = Plan.from_file(a.plan_file) if a.plan_file else Plan.parse(a.plan)
+    if a.bf16:
+        plan = dataclasses.replace(plan, mixed_precision="bf16")
+    if a.grad_accum > 1:  # accumulation: more microbatches of the same size (fxpar.train.streams)
+        plan = dataclasses.replace(plan, microbatches=microbatches(plan) * a.grad_accum)
+    return plan
 
 
 class FineTune:
@@ -68,7 +89,7 @@ class FineTune:
     def __init__(self, args):
         import fxpar
         from fxpar import checkpoint
-        from fxpar.launch import init_distributed
+        from fxpar.launch import check_launch_world, init_distributed
         from fxpar.train.models import directory_weights, load_model, model_directory
 
         self.args = a = args
@@ -76,12 +97,7 @@ class FineTune:
         check_args(a)
         optim.check_schedule(a.lr_scheduler, a.warmup, a.steps)
         auto = not a.plan_file and a.plan.strip().lower() == "auto"  # chosen below, once the batch is known
-        plan = None if auto else fxpar.Plan.from_file(a.plan_file) if a.plan_file else fxpar.Plan.parse(a.plan)
-        if plan is not None and a.bf16:
-            plan = dataclasses.replace(plan, mixed_precision="bf16")
-        if plan is not None and self.accum > 1:  # accumulation: more microbatches of the same size (fxpar.train.streams)
-            plan = dataclasses.replace(plan, microbatches=microbatches(plan) * self.accum)
-        self.plan = plan
+        self.plan = plan = None if auto else given_plan(a)
         directory = model_directory(a.model)
         self.resume, self.resume_note = saving.resume_point(a)
         saving.check_outputs(a)  # (after resume_point: it creates --save)
@@ -111,6 +127,7 @@ class FineTune:
         self.eval_data = self._dataset(a.eval_data) if a.eval_data else None
         if a.eval_data and a.eval_every <= 0 and a.eval_every != -1:
             raise PlanError(f"--eval-every {a.eval_every}: give a positive number of steps (-1: at the start and the end only)")
+        check_launch_world(plan)
         self.rank, self.world, self.device = init_distributed()  # the first step that talks to peers
         if self.resume is not None or self.resume_note:
             self.say(f"resuming from {self.resume} (step {self.start})" if self.resume else self.resume_note)

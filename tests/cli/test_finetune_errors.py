@@ -69,3 +69,19 @@ def test_bad_schedule_and_accumulation(model_dir, no_communication, capsys):
     assert "--grad-accum 0" in _train([str(model_dir), "--data", "synthetic", "--grad-accum", "0"], capsys)
     err = _train([str(model_dir), "--data", "synthetic", "--lr-scheduler", "cosine_wobble"], capsys)
     assert "cosine_wobble" in err and "cosine" in err
+
+
+@pytest.mark.parametrize("flag,value,said", [("--lr", "nan", "--lr nan"), ("--weight-decay=-0.5", None, "--weight-decay -0.5"),
+                                             ("--batch", "0", "--batch 0"), ("--seq", "0", "--seq 0"),
+                                             ("--max-grad-norm", "0", "--max-grad-norm 0.0")])
+def test_numbers_out_of_range(model_dir, no_communication, capsys, flag, value, said):
+    err = _train([str(model_dir), "--data", "synthetic", flag] + ([value] if value is not None else []), capsys)
+    assert said in err and "give" in err
+
+
+def test_plan_the_launch_world_does_not_fit(model_dir, no_communication, capsys, monkeypatch):
+    """Under torchrun (WORLD_SIZE) a plan for another number of ranks is refused before the group is joined:
+    no rank is left waiting in a half-formed group."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = _train([str(model_dir), "--data", "synthetic", "--plan", "tp=3"], capsys)
+    assert "needs 3 ranks" in err and "the world has 2" in err
