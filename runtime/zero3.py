@@ -45,7 +45,7 @@ class Zero3Regather:
         # (shard, group, dim, dtype, comm_dtype));
         # the weak ref tells a live bucket from a later tensor that happens to reuse a freed bucket's address
         self.buckets: dict[int, tuple] = {}
-        self.regathered: dict[int, torch.Tensor] = {}
+        self.regathered: dict[int, tuple] = {}  # forward bucket's address -> (its shard, the regathered bucket)
         self._observing = None
         self._hooks = None
 
@@ -68,7 +68,8 @@ class Zero3Regather:
             self._hooks = self._observing = None
         last, self._last = self._last, None
         if last is not None and exc[0] is None:  # backward's first regather, served from the forward's copy
-            self.regathered = {last.untyped_storage().data_ptr(): last}
+            ptr = last.untyped_storage().data_ptr()
+            self.regathered = {ptr: (self.buckets[ptr][1][0], last)}
 
     def _observe_last(self, out, *rest) -> None:
         self._observe(out, *rest)
@@ -94,11 +95,14 @@ class Zero3Regather:
         if not (isinstance(saved, tuple) and saved and saved[0] == "zero3"):
             return saved
         _, ptr, (shard, group, dim, dtype, comm_dtype), offset, shape, stride = saved
-        if ptr not in self.regathered:
+        # keyed by the forward bucket's address and checked against its shard: a later bucket (another
+        # microbatch's, another layer's) can be gathered at an address a freed one had
+        held = self.regathered.get(ptr)
+        if held is None or held[0] is not shard:
             self.regathered.clear()  # backward has moved on to another bucket
             with torch.no_grad():
-                self.regathered[ptr] = gather_params(shard.detach(), group, dim, dtype, comm_dtype)
-        return self.regathered[ptr].as_strided(shape, stride, offset)
+                held = self.regathered[ptr] = (shard, gather_params(shard.detach(), group, dim, dtype, comm_dtype))
+        return held[1].as_strided(shape, stride, offset)
 
 
 class Zero3Gatherer:

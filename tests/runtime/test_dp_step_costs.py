@@ -150,3 +150,19 @@ def test_zero3_keeps_the_last_gathered_bucket_for_backward(pool2):
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
+
+
+def test_regather_tells_a_bucket_from_a_later_one_at_the_same_address(monkeypatch):
+    """A bucket freed after its forward can have its address taken by a later bucket (another microbatch's,
+    another layer's); backward must regather the later bucket's own shard, not serve the first one's copy
+    (seen as an out-of-bounds ``as_strided`` on 8 ranks, dp=2 x pp=2 x tp=2 ZeRO-3)."""
+    import fxpar.runtime.zero3 as z3
+
+    monkeypatch.setattr(z3, "gather_params", lambda shard, group, dim, dtype, comm=None: torch.cat([shard, shard]))
+    regather = Zero3Regather()
+    small, large = torch.arange(4.0), torch.arange(100.0, 116.0)
+    ptr = 12345  # one address, two buckets in turn
+    first = regather._unpack(("zero3", ptr, (small, "dp:0", 0, torch.float32, None), 0, (8,), (1,)))
+    assert torch.equal(first, torch.cat([small, small]))
+    second = regather._unpack(("zero3", ptr, (large, "dp:0", 0, torch.float32, None), 4, (4, 4), (1, 4)))
+    assert torch.equal(second, torch.cat([large, large]).as_strided((4, 4), (1, 4), 4))
