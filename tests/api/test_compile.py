@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -46,6 +47,7 @@ def test_price_builds_rank_0_of_a_plan_without_any_process_group():
     assert "data parallel: dp=2, ZeRO-1" in text and "memory per rank, predicted" in text
 
 
+@pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
 def test_plan_command_dumps_every_pass_that_ran(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FXPAR_DUMP_DIR": str(tmp_path)}
     r = subprocess.run([sys.executable, "-m", "fxpar", "plan", "llama", "--plan", "dp=2,pp=2,tp=2,zero=3"],

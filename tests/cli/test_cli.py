@@ -65,6 +65,7 @@ def test_bad_model_name_is_a_clear_error(capsys):
     assert "'no-such-model' is neither a zoo name nor an existing path" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
 def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "fxpar", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "fxpar inspect llama" in out.stdout
@@ -75,11 +76,13 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
 def test_help_shows_train_plan_and_examples():
     out = _run([sys.executable, "-m", "fxpar", "--help"]).stdout
     assert "train" in out and "plan" in out and "torchrun --nproc_per_node 8 -m fxpar train" in out
 
 
+@pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
 def test_plan_command_shows_stages_collectives_and_memory():
     r = _run([sys.executable, "-m", "fxpar", "plan", "llama", "--plan", "dp=2,pp=2,tp=2,zero=1"])
     assert r.returncode == 0, r.stderr[-2000:]
@@ -140,6 +143,7 @@ def test_train_under_torchrun_saves_and_resumes_under_another_plan(tmp_path):
     assert max(abs(a - b) for a, b in zip(planned, uninterrupted[:2])) < 1e-5, (chosen.group(1), planned, uninterrupted)
 
 
+@pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
 def test_plan_auto_on_the_70b_config_for_1024_h100s():
     """`fxpar plan <70B config> --meta --auto --world 1024`: the chosen plan (degrees multiplying to 1024), its
     MFU, the top 5 alternatives and the hand-made baseline; the whole process's wall time is printed (the

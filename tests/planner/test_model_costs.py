@@ -128,6 +128,7 @@ def test_layer_types_give_the_kinds():
     assert summed(costs, 1, False, lambda p: p.params) == costs.params
 
 
+@pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
 def test_alternating_kinds_under_sequence_parallel():
     # sliding and full attention alternate (layer_types); the TP collectives per kind add up to the whole
     # model's, the embedding's reduce-scatter with "pre" and the gather that reads it with layer 0

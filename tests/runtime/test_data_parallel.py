@@ -86,6 +86,7 @@ def dp_accounting(dp: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
 def test_communication_volume_and_memory_per_rank(pool4):
     """DDP: one all-reduce of every gradient (ring: 2(n-1)/n x params bytes per rank); ZeRO-3: a gather
     per layer forward, again in backward, and a reduce-scatter: 3 x params. Memory at zero=3, dp=4: at

@@ -173,6 +173,7 @@ def test_eos_bad_inputs_and_one_process(llama_dir):
         compiled.generate(batch["input_ids"], -1)
 
 
+@pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
 def test_cli_prints_hf_continuations(llama_dir, capsys):
     """``fxpar generate`` in one process: a batch of raw prompts, then one chat prompt (the template with
     its generation prompt), each continuation what HF generates and decodes."""

@@ -73,6 +73,7 @@ def three_d_cases() -> list[dict]:
                 clipped_run("llama", "dp=2,pp=2,tp=2,zero=3", 4, 0.05)]
 
 
+@pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
 def test_norm_and_clipping_match_one_process_tp_pp_dp_zero(pool2):
     per_rank = pool2.run(two_rank_cases, timeout=300)
     for case in range(len(per_rank[0])):

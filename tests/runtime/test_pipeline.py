@@ -203,6 +203,7 @@ def dead_peer(timeout: float) -> str:
     return "no error"
 
 
+@pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
 def test_a_missing_peer_fails_with_a_clear_message(pool2):
     result = pool2.run(dead_peer, 3.0, timeout=120)
     assert "waiting for act of stage 0" in result[1] and "from pipeline rank 0" in result[1], result[1]
@@ -210,6 +211,7 @@ def test_a_missing_peer_fails_with_a_clear_message(pool2):
 
 
 # ---- balance and inspection on a meta-device Llama-3-8B ------------------------------------------------
+@pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
 def test_balance_on_llama3_8b_shape():
     import transformers
 

@@ -123,6 +123,7 @@ def _training(steps: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
 def test_int8_gathers_train_within_2_percent_at_half_the_bytes(pool2):
     layers = zoo.tiny_config("llama").num_hidden_layers
     for r in pool2.run(_training, STEPS, timeout=200):
