@@ -8,22 +8,7 @@ import shutil
 
 import pytest
 
-from fxpar.testing.hfdir import CHAT_FILE, make_model_dir
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("model"), "llama")
-
-
-@pytest.fixture
-def no_communication(monkeypatch):
-    import fxpar.launch
-
-    def trap(*a, **k):
-        raise AssertionError("init_distributed was reached: the error came after communication could start")
-
-    monkeypatch.setattr(fxpar.launch, "init_distributed", trap)
+from fxpar.testing.hfdir import CHAT_FILE
 
 
 def _train(argv, capsys) -> str:

@@ -17,27 +17,8 @@ from fxpar.testing.hfdir import make_model_dir
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("model"), "llama")
-
-
-@pytest.fixture(scope="module")
 def deep_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("deep"), "llama", num_hidden_layers=4)
-
-
-@pytest.fixture
-def no_communication(monkeypatch):
-    """Any way of joining a process group fails the test."""
-    import torch.distributed as dist
-
-    import fxpar.launch
-
-    def trap(*a, **k):
-        raise AssertionError("a process group was being joined: the check came after communication could start")
-
-    monkeypatch.setattr(fxpar.launch, "init_distributed", trap)
-    monkeypatch.setattr(dist, "init_process_group", trap)
 
 
 @pytest.fixture

@@ -21,16 +21,6 @@ MESSAGE = "unknown key 'bogus'"
 
 
 @pytest.fixture
-def no_communication(monkeypatch):
-    import fxpar.launch
-
-    def trap(*a, **k):
-        raise AssertionError("init_distributed was reached: the error came after communication could start")
-
-    monkeypatch.setattr(fxpar.launch, "init_distributed", trap)
-
-
-@pytest.fixture
 def as_rank(monkeypatch, tmp_path):
     """as_rank(r, launcher=False, error_file=True): this process is rank r of 2 under torchrun (or under
     ``fxpar launch``); returns the path of its torchrun error file (None: torchrun gave it none)."""

@@ -23,16 +23,6 @@ TINY = ["llama", "--batch", "2", "--seq", "8", "--lr", "1e-2"]  # 16 tokens a st
 pool2 = multiproc.rank_pool(2, shared=True)
 
 
-@pytest.fixture
-def no_communication(monkeypatch):
-    import fxpar.launch
-
-    def trap(*a, **k):
-        raise AssertionError("init_distributed was reached: the error came after communication could start")
-
-    monkeypatch.setattr(fxpar.launch, "init_distributed", trap)
-
-
 def _refused(argv, capsys) -> str:
     from fxpar.cli import train
 
