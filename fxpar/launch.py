@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 
 import torch
@@ -101,10 +102,15 @@ def init_distributed(timeout: float | None = None) -> tuple[int, int, torch.devi
 
 
 def _leave() -> None:
-    """At exit, destroy the process group ``init_distributed`` created (left to the interpreter's
-    teardown, gloo's worker threads can abort the process after a run that succeeded)."""
-    from fxpar.runtime import liveness
+    """At exit, destroy the process group ``init_distributed`` created, and its subgroups, while the
+    interpreter is whole: left to the interpreter's teardown, gloo's threads can abort the process after
+    a run that succeeded. A group's threads stop when its last reference goes, so fxpar's own references
+    go too (its group table, and the compiled programs the garbage collector can now free); a compiled
+    model a script still holds in a global keeps its groups to the end."""
+    from fxpar.runtime import groups, liveness
 
     liveness.stop()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    groups.release_process_groups()
+    gc.collect()

@@ -70,6 +70,17 @@ def unregister_group(name: str) -> None:
     _GROUPS.pop(name, None)
 
 
+def release_process_groups() -> None:
+    """Forget every registered process group (sizes-only registrations stay), for the exit hook that
+    destroys the group (:func:`fxpar.launch.init_distributed`). ``destroy_process_group`` shuts gloo's
+    groups down but does not join their threads; that happens only when the last reference to a group
+    goes, and a reference held here would keep it to the interpreter's teardown, where threads of gloo
+    still running while the process exits abort it now and then ("terminate called without an active
+    exception", after a run that succeeded)."""
+    for name in [n for n, g in _GROUPS.items() if g.pg is not None or not g.member]:
+        del _GROUPS[name]
+
+
 def registered_groups() -> dict[str, int]:
     """Registered group names and their sizes."""
     return {name: g.size for name, g in _GROUPS.items()}

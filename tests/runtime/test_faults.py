@@ -28,11 +28,15 @@ def _train(plan: str, steps: int, kill_rank: int = -1, losses_out: str = "") -> 
     """The rank program: compile the tiny Llama for ``plan`` (joining the group itself) and train,
     printing each step's loss (rank 0 also writes them to ``losses_out``); rank ``kill_rank`` SIGKILLs
     itself inside its stage's forward of the second microbatch of step ``KILL_STEP``."""
+    import atexit
+
     import torch
 
     import fxpar
     from fxpar import zoo
 
+    if losses_out:  # registered before compile joins the group: runs after fxpar's exit hook left it
+        atexit.register(_record_threads_left, losses_out + f".threads{os.environ.get('RANK', '0')}")
     torch.manual_seed(0)
     model = zoo.build("llama", seed=0)
     batch = zoo.example_inputs("llama", model, batch=8, seq=16)
@@ -58,6 +62,14 @@ def _train(plan: str, steps: int, kill_rank: int = -1, losses_out: str = "") -> 
     if losses_out and compiled.rank == 0:
         with open(losses_out, "w") as f:
             f.write("\n".join(map(repr, losses)))
+
+
+def _record_threads_left(path: str) -> None:
+    """Write the names of this process's threads other than the main one (after the group is gone there
+    should be none: gloo's threads still running at exit abort a process now and then)."""
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    with open(path, "w") as f:
+        f.write(" ".join(sorted(n for n in names if n != "python")))
 
 
 def _reference_losses(steps: int) -> list[float]:
@@ -87,7 +99,7 @@ def _free_port() -> int:
 
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", FXPAR_TIMEOUT=str(TIMEOUT), PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS="1", FXPAR_TIMEOUT=str(TIMEOUT), PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     if os.path.exists("/sys/class/net/lo"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.update({k: str(v) for k, v in extra.items()})
@@ -114,7 +126,9 @@ def test_only_failed_waits_on_peers_are_diagnosed():
 @pytest.mark.timeout(120)
 def test_compile_joins_the_group_under_torchrun(tmp_path):
     """A script that never calls init_process_group, under torchrun --nproc_per_node 2 with pp=2: compile
-    joins the group (before, check_world said the world has 1) and the losses equal one process's."""
+    joins the group (before, check_world said the world has 1) and the losses equal one process's; at
+    exit, fxpar's hook has destroyed the groups and joined gloo's threads (threads left running aborted a
+    rank after a run that succeeded, now and then)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            HERE, "rank", "pp=2,microbatches=2", "3", "-1", str(tmp_path / "losses")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=_env())
@@ -123,6 +137,9 @@ def test_compile_joins_the_group_under_torchrun(tmp_path):
     want = _reference_losses(3)
     print("torchrun pp=2:", got, "\none process:  ", want)
     assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+    if os.path.isdir("/proc/self/task"):
+        left = {r: (tmp_path / f"losses.threads{r}").read_text() for r in (0, 1)}
+        assert left == {0: "", 1: ""}, f"threads still running after fxpar's exit hook: {left}"
 
 
 @pytest.mark.slow
