@@ -5,7 +5,7 @@
                                      [--quick] [--auto] [--no-measure] [--json OUT.json] [--write docs/benchmarks.md]
 
 Models and plans: ``bench/_planner_models.py`` (6 small causal LMs of different shapes, among them a mixture of
-experts, sliding-window attention and tied embeddings; 50 plans on 1, 2, 4 and 8 gloo ranks, with expert parallelism,
+experts, sliding-window attention and tied embeddings; 51 plans on 1, 2, 4 and 8 gloo ranks, with expert parallelism,
 HSDP, uneven shards and recompute; fp32 AdamW on a global batch of 8 x 128). The cost model is fitted on
 ``fxpar calibrate``'s measurements only, never on these plans. The report gives per plan the predicted and measured
 step time and peak memory with their errors, the median and worst absolute error overall and per world size, and per

@@ -79,6 +79,13 @@ class DeviceProfile:
     # torch's optimizers step tensor by tensor on the CPU (temporaries of the largest tensor), with their
     # multi-tensor (foreach) kernels on CUDA (temporaries of every stepped tensor at once)
     optimizer_per_tensor: bool = False
+    # fxpar's own per-step costs (fxpar.cost.overheads prices them); 0 or empty: not measured (published GPU profiles)
+    collective_call: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind -> (s per call, s per byte) of fxpar's op beyond the raw one
+    pipeline_action: dict[str, float] = field(default_factory=dict)  # schedule -> s of the runtime's bookkeeping per action of a rank
+    bucket_copy: tuple[float, float] = (0.0, 0.0)  # DP bucket: (s per bucket beyond its all-reduce, bytes/s of the gradients' copies in)
+    gather_copy: tuple[float, float] = (0.0, 0.0)  # ZeRO-3 gather: (s per gather beyond its all-gather, bytes/s of its copies)
+    optimizer_tensor: tuple[float, float] = (0.0, 0.0)  # (s per stepped tensor beyond its entries' time, s per parameter group)
+    comm_share: dict[int, float] = field(default_factory=dict)  # busy ranks on a node -> a collective's speed factor
 
     def matmul_flops(self, dtype: str) -> float:
         """Sustained matmul FLOP/s for ``dtype`` ("bf16", "float32", a torch.dtype, ...); a dtype the
@@ -195,6 +202,9 @@ class DeviceProfile:
         kw["compute_share"] = {int(k): float(v) for k, v in d.get("compute_share", {}).items()}
         kw["collectives"] = {kind: {int(n): (float(a), float(b)) for n, (a, b) in table.items()}
                              for kind, table in d.get("collectives", {}).items()}
+        kw["collective_call"] = {k: (float(a), float(b)) for k, (a, b) in d.get("collective_call", {}).items()}
+        kw["comm_share"] = {int(k): float(v) for k, v in d.get("comm_share", {}).items()}
+        kw.update({k: tuple(map(float, d[k])) for k in ("bucket_copy", "gather_copy", "optimizer_tensor") if k in d})
         return cls(**kw)
 
     def save(self, path, extra: dict | None = None) -> Path:
@@ -357,6 +367,7 @@ def profile_from_measurements(m: dict, *, name: str | None = None) -> DeviceProf
     links from the all-reduce of the largest measured group (per step and per byte each rank sends). A
     GPU whose published profile is known keeps its inter-node link and peaks (one host measures no
     network), a node being the ranks torchrun started on it; a CPU host is one node of ``max(world, cores)`` ranks sharing 80% of its RAM."""
+    from fxpar.cost.overheads import runtime_fields  # (fxpar calibrate's "runtime" measurements)
     table = fit_table(m.get("times", {}))
     gpu = str(m.get("device", "cpu")).startswith("cuda")
     base = next((p for tag, p in (("H200", H200), ("H100", H100), ("A100", A100))
@@ -382,6 +393,7 @@ def profile_from_measurements(m: dict, *, name: str | None = None) -> DeviceProf
         fresh_threshold=int(m.get("fresh", {}).get("threshold", 0)),
         comm_overlaps=gpu,  # gloo reduces and copies on the host's cores, which the ranks compute on
         optimizer_per_tensor=not gpu,
+        **runtime_fields(m.get("runtime", {})),
         peak_flops=dict(base.peak_flops) if base else {},
         source=f"calibrated on {m.get('host')} {m.get('date')} ({m.get('backend')}, world {world}"
                f"{', quick' if m.get('quick') else ''}; {m.get('device_name')})")

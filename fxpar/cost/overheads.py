@@ -1,0 +1,120 @@
+"""fxpar's own per-step costs around the ops: what the runtime spends on one rank beside the kernels the roofline
+prices and the collectives' alpha-beta. Pure functions of a :class:`~fxpar.cost.profiles.DeviceProfile` and the
+counts of one rank's step (:class:`StepCounts`); seconds out (:class:`Overheads`).
+
+Reads the profile fields ``fxpar calibrate`` measures on the runtime's own code paths
+(:mod:`fxpar.runtime.calibrate_runtime`); a field left at 0 (not measured, as on the published GPU profiles)
+prices nothing:
+
+* ``collective_call[kind] = (a, b)``: one call of fxpar's collective op (dispatch, the copy of its input or
+  output, the wait) beyond the raw torch.distributed collective: ``a`` per call plus ``b`` per full-tensor byte;
+* ``pipeline_action[schedule]``: the pipeline runtime's bookkeeping per action a rank runs (forward, backward,
+  input- or weight-gradient of one microbatch on one stage), beyond the action's compute and its sends;
+* ``bucket_copy = (fixed, bw)``: per DP bucket (gradient hooks, launch, the gradients' views) and its
+  gradients' copy into the bucket;
+* ``gather_copy = (fixed, bw)``: per ZeRO-3 parameter gather (the op's copies of the shard and the bucket);
+* ``optimizer_tensor = (per tensor, per group)``: the optimizer's fixed cost per stepped tensor and per
+  parameter group, beyond ``optimizer_entry_time`` per entry;
+* ``comm_share[k]``: a collective's speed when ``k`` ranks of the node compute at once (gloo reduces and copies
+  on the cores the ranks compute on): the collectives' priced time is divided by it.
+
+The runtime's terms are Python and copies on the rank's own core: where ``busy_ranks`` share a node's cores they
+are divided by ``profile.share(busy_ranks)``, as the compute is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fxpar.cost.profiles import DeviceProfile
+
+__all__ = ["Overheads", "StepCounts", "overheads", "runtime_fields"]
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """What one rank runs in one training step beside the ops the roofline prices."""
+    collectives: dict[str, tuple[int, float]] = field(default_factory=dict)  # kind -> (calls, full-tensor bytes in all)
+    schedule: str = ""  # the pipeline schedule ("": not pipelined)
+    actions: int = 0  # pipeline actions this rank runs per step
+    dp_buckets: int = 0  # DP buckets reduced per step (DDP / ZeRO-1/2)
+    dp_bucket_bytes: float = 0.0  # their gradient bytes, all buckets
+    zero3_gathers: int = 0  # ZeRO-3 parameter gathers per step (forward and backward regathers)
+    zero3_gather_bytes: float = 0.0  # their gathered (full) bytes, all gathers
+    optimizer_tensors: int = 0  # tensors the optimizer steps (ZeRO-1/2: one flat shard per bucket)
+    optimizer_groups: int = 0  # its parameter groups
+    busy_ranks: float = 1.0  # ranks of this rank's node computing at once
+    comm_time: float = 0.0  # seconds of this rank's collectives as priced by the alpha-beta tables
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Seconds per term for one rank's step; :attr:`total` their sum."""
+    collective_calls: float = 0.0
+    pipeline: float = 0.0
+    dp_buckets: float = 0.0
+    zero3_gathers: float = 0.0
+    optimizer: float = 0.0
+    contention: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+def _per(fixed: float, bw: float, count: float, nbytes: float) -> float:
+    return count * fixed + (nbytes / bw if bw else 0.0)
+
+
+def collective_calls_time(profile: DeviceProfile, counts: StepCounts) -> float:
+    """fxpar's collective ops beyond the raw collectives, unshared seconds."""
+    total = 0.0
+    for kind, (calls, nbytes) in counts.collectives.items():
+        a, b = profile.collective_call.get(kind, (0.0, 0.0))
+        total += calls * a + nbytes * b
+    return total
+
+
+def pipeline_time(profile: DeviceProfile, counts: StepCounts) -> float:
+    """The pipeline runtime's bookkeeping, unshared seconds: the rank's actions x the schedule's cost per action."""
+    return counts.actions * profile.pipeline_action.get(counts.schedule, 0.0) if counts.schedule else 0.0
+
+
+def comm_share(profile: DeviceProfile, busy_ranks: float) -> float:
+    """A collective's speed factor with ``busy_ranks`` computing on its node (1.0 where not measured), read from
+    ``comm_share`` by the rule :meth:`DeviceProfile.share` reads ``compute_share`` with."""
+    if not profile.comm_share:
+        return 1.0
+    return dataclasses.replace(profile, compute_share=profile.comm_share).share(round(busy_ranks))
+
+
+def overheads(profile: DeviceProfile, counts: StepCounts) -> Overheads:
+    """Seconds per term of fxpar's own costs in one rank's step (module docstring)."""
+    share = profile.share(round(counts.busy_ranks)) if counts.busy_ranks > 1 else 1.0
+    return Overheads(
+        collective_calls=collective_calls_time(profile, counts) / share,
+        pipeline=pipeline_time(profile, counts) / share,
+        dp_buckets=_per(*profile.bucket_copy, counts.dp_buckets, counts.dp_bucket_bytes) / share,
+        zero3_gathers=_per(*profile.gather_copy, counts.zero3_gathers, counts.zero3_gather_bytes) / share,
+        optimizer=(counts.optimizer_tensors * profile.optimizer_tensor[0]
+                   + counts.optimizer_groups * profile.optimizer_tensor[1]) / share,
+        contention=counts.comm_time * (1 / comm_share(profile, counts.busy_ranks) - 1))
+
+
+def runtime_fields(r: dict) -> dict:
+    """The :class:`DeviceProfile` fields of these terms from ``fxpar calibrate``'s ``"runtime"`` measurements
+    (:func:`fxpar.runtime.calibrate_runtime.runtime_measurements`); absent ones are left out (0)."""
+    out: dict = {}
+    if r.get("collective_call"):
+        out["collective_call"] = {k: (float(a), float(b)) for k, (a, b) in r["collective_call"].items()}
+    if r.get("pipeline_action"):
+        out["pipeline_action"] = {k: float(v) for k, v in r["pipeline_action"].items()}
+    for key in ("bucket_copy", "gather_copy", "optimizer_tensor"):
+        if r.get(key):
+            out[key] = tuple(float(x) for x in r[key])
+    if r.get("comm_share"):
+        out["comm_share"] = {int(k): float(v) for k, v in r["comm_share"].items()}
+    return out
