@@ -1,24 +1,19 @@
-"""Peak tensor memory of this process during a region of code (a training step), measured by storage.
+"""Peak memory of this process during a region of code (a training step).
 
 The planner predicts what a rank holds at its fullest: parameters, gradients, optimizer states, the
-activations kept for backward, communication buffers. On the CPU there is no allocator to ask (the CUDA
-caching allocator's ``max_memory_allocated`` has no CPU twin, and the process's resident size holds the
-libraries too), so :class:`PeakMemory` counts tensor storages itself:
+activations kept for backward, communication buffers. On the CPU there is no allocator statistic to ask (the
+CUDA caching allocator's ``max_memory_allocated`` has no CPU twin), so three measures are here:
 
-* on entry, every storage alive in the process (found through ``gc`` over ``torch.Tensor`` objects), or
-  only those of a given ``baseline`` set of tensors, each counted once however many tensors view it;
-* inside, a ``TorchDispatchMode`` notes the storage of every tensor an aten op takes or returns (new
-  outputs, ``out=`` and in-place results, tensors made outside the dispatcher the first time an op
-  uses them), with its current size (a storage resized in place is counted at its new size);
-* a storage stops counting when it is freed (a ``weakref.finalize`` on its Python object, which torch
-  keeps alive as long as the storage itself).
-
-``peak`` is the largest sum of live storage bytes at any moment an op finished (its inputs still alive,
-its outputs made). Not counted: the scratch memory inside one aten kernel, buffers a collective backend
-keeps outside tensors (gloo's), meta tensors, and storages alive on entry but outside ``baseline``
-(``exclude`` drops tensors from the default, e.g. a full-size copy of the model the process also holds).
-The mode sees every op of the thread that enters it, the autograd engine's backward included; it costs
-tens of microseconds per op, so time steps without it.
+* :class:`AllocatorPeak`: the allocator's own running total, through the torch profiler's memory events. It
+  changes nothing about how kernels allocate, so it is the one a prediction is compared with (the benches
+  and anything that reports a measured peak use it).
+* :class:`RssPeak`: the process's peak resident size above its size on entry (Linux ``VmHWM``, reset through
+  ``/proc/self/clear_refs``). Perturbs nothing either, but holds everything the process touches (gloo's
+  buffers, Python objects, the libraries' scratch): a cross-check, from above.
+* :class:`PeakMemory`: a ``TorchDispatchMode`` that counts tensor storages by identity, exact about which
+  storage is counted (views once, a baseline set of tensors, storages outside the allocator such as
+  memory-mapped files). Being a dispatch mode, it changes what some backward kernels allocate (see its
+  docstring): keep it for tests of storage accounting, never for a step's peak.
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-__all__ = ["AllocatorPeak", "PeakMemory", "live_tensors", "storage_bytes", "trim_heap"]
+__all__ = ["AllocatorPeak", "PeakMemory", "RssPeak", "live_tensors", "storage_bytes", "trim_heap"]
 
 
 def _storage(t: torch.Tensor, device: str | None):
@@ -112,7 +107,31 @@ def storage_bytes(tensors: Iterable[torch.Tensor], device: str | None = None) ->
 
 
 class PeakMemory(TorchDispatchMode):
-    """``with PeakMemory() as mem: compiled.step(**batch)`` then ``mem.peak`` (bytes).
+    """``with PeakMemory() as mem: fn()`` then ``mem.peak`` (bytes): the most storage bytes alive at once.
+
+    It counts tensor storages itself:
+
+    * on entry, every storage alive in the process (found through ``gc`` over ``torch.Tensor`` objects), or
+      only those of a given ``baseline`` set of tensors, each counted once however many tensors view it;
+    * inside, a ``TorchDispatchMode`` notes the storage of every tensor an aten op takes or returns (new
+      outputs, ``out=`` and in-place results, tensors made outside the dispatcher the first time an op
+      uses them), with its current size (a storage resized in place is counted at its new size);
+    * a storage stops counting when it is freed (a ``weakref.finalize`` on its Python object, which torch
+      keeps alive as long as the storage itself).
+
+    ``peak`` is the largest sum of live storage bytes at any moment an op finished. Not counted: the scratch
+    memory inside one aten kernel, buffers a collective backend keeps outside tensors (gloo's), meta
+    tensors, storages alive on entry but outside ``baseline``. It costs tens of microseconds per op.
+
+    **It perturbs what it measures**: torch's backward formulas that work in place take an out-of-place
+    path while any Python dispatch mode is active (a no-op one included: ``at::isTensorSubclassLike`` is
+    true then), so some backward steps allocate a tensor they would otherwise reuse: a gather's backward
+    makes its gradient buffer twice (``scatter_add`` for ``scatter_add_``), a vocabulary-parallel loss's
+    backward holds one more logits-sized tensor. Measured on
+    ``bench/fused_cross_entropy.py`` (tp=2, 4096 tokens, vocabulary 32768): the unfused path peaks at
+    784-799 MB by :class:`AllocatorPeak` and RSS, at 1,040-1,056 MB under this mode or a no-op one. Keep it
+    for what its exactness is for (which storages compile or loading keep, views and memory-mapped slices
+    counted once); measure a step's peak with :class:`AllocatorPeak`.
 
     Args:
         baseline: the tensors whose storages count from the start (None: every tensor alive on entry).
@@ -222,9 +241,7 @@ class PeakMemory(TorchDispatchMode):
 
 class AllocatorPeak:
     """The peak of a region measured by the allocator itself, through the torch profiler's memory events,
-    which change nothing about how kernels allocate. :class:`PeakMemory`, being a dispatch mode, makes some
-    backward kernels allocate more (measured on the fused-loss bench: the unfused path peaks at 784-799 MB
-    under the profiler and by RSS, at 1,040-1,056 MB under any dispatch mode), so this is the one to
+    which change nothing about how kernels allocate (unlike :class:`PeakMemory`), so this is the one to
     compare a prediction with::
 
         with AllocatorPeak() as mem:
@@ -236,14 +253,16 @@ class AllocatorPeak:
     The profiler reports the free of a block only if it saw the block allocated, so the region must come
     after a warm-up under the same profiler: the tensors a step frees (the last step's gradients, buffers
     kept from step to step) are then known. ``start``: the bytes of tensor storage alive at :meth:`mark`
-    (:func:`storage_bytes` over :func:`live_tensors`); ``peak``: ``start`` plus the highest the allocator's
-    running total rose above its value at the mark (every allocation and free of this thread, scratch
-    buffers inside kernels included); ``end``: ``start`` plus the net change. Not counted, as with
-    :class:`PeakMemory`: other threads' allocations (gloo's), memory outside torch's allocator."""
+    (:func:`storage_bytes` over :func:`live_tensors` and the gradients of leaf tensors, as
+    :class:`PeakMemory` counts on entry); ``peak``: ``start`` plus the highest the allocator's running total
+    rose above its value at the mark (every allocation and free of this thread, scratch buffers inside
+    kernels included); ``end``: ``start`` plus the net change. Not counted: other threads' allocations
+    (gloo's), memory outside torch's allocator (memory-mapped files)."""
 
     def __init__(self):
         self.start = self.peak = self.end = 0
         self._mark: int | None = None
+        self._events: list[tuple[int, int, int, int]] = []  # (time, running total above the mark, size, address)
 
     def __enter__(self) -> AllocatorPeak:
         from torch.profiler import ProfilerActivity, profile
@@ -255,7 +274,10 @@ class AllocatorPeak:
     def mark(self) -> None:
         """Start the measured region (after a warm-up inside this context)."""
         gc.collect()
-        self.start = storage_bytes(live_tensors())
+        everything = live_tensors()
+        grads = [t.grad for t in everything if t.is_leaf and t.requires_grad and t.grad is not None]
+        self.start = storage_bytes(everything + grads)
+        del everything, grads
         self._mark = time.time_ns()  # the profiler stamps its events with the wall clock
 
     def __exit__(self, *exc):
@@ -267,17 +289,74 @@ class AllocatorPeak:
         while stack:
             node = stack.pop()
             stack.extend(node.children)
-            total = getattr(node.extra_fields, "total_allocated", None)
-            if total is not None:
-                events.append((node.start_time_ns, total, node.extra_fields.alloc_size))
+            f = node.extra_fields
+            if getattr(f, "total_allocated", None) is not None:
+                events.append((node.start_time_ns, f.total_allocated, f.alloc_size, f.ptr))
         events.sort()
         before = [e for e in events if e[0] < self._mark]
         base = before[-1][1] if before else (events[0][1] - events[0][2] if events else 0)
-        after = [total - base for t, total, _ in events if t >= self._mark]
-        self.peak = self.start + max([0, *after])
-        self.end = self.start + (after[-1] if after else 0)
+        self._events = [(t, total - base, size, ptr) for t, total, size, ptr in events if t >= self._mark]
+        self.peak = self.start + max([0, *(e[1] for e in self._events)])
+        self.end = self.start + (self._events[-1][1] if self._events else 0)
         self._prof = None
         return False
 
+    def peak_without(self, tensors: Iterable[torch.Tensor]) -> int:
+        """``peak`` with the blocks of ``tensors`` (alive at the region's end, made inside it: the gradients
+        a step returns) left out from their allocation on; ``start`` is not changed."""
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        last: dict[int, int] = {}  # address -> index of the allocation still alive at the end
+        for i, (_, _, size, ptr) in enumerate(self._events):
+            if ptr in ptrs:
+                if size > 0:
+                    last[ptr] = i
+                else:
+                    last.pop(ptr, None)
+        dropped, highest, kept = 0, 0, set(last.values())
+        for i, (_, total, size, _) in enumerate(self._events):
+            if i in kept:
+                dropped += size
+            highest = max(highest, total - dropped)
+        return self.start + highest
+
     def report(self) -> dict[str, int]:
         return {"start": self.start, "peak": self.peak, "end": self.end}
+
+
+class RssPeak:
+    """The process's peak resident size during a region, above its resident size on entry (Linux:
+    ``/proc/self/status``'s ``VmHWM`` after writing 5 to ``/proc/self/clear_refs``)::
+
+        with RssPeak() as rss:
+            compiled.step(**batch)
+        rss.peak, rss.end  # bytes above the resident size on entry
+
+    On entry the C heap's free pages go back to the system first (:func:`trim_heap`), else a region could
+    reuse pages glibc kept from earlier and never raise the resident size. It counts all the process
+    touches (every thread's buffers, Python objects, libraries' scratch) and nothing allocated but never
+    written: a cross-check of :class:`AllocatorPeak` from above, perturbing nothing."""
+
+    def __init__(self):
+        self.start = self.peak = self.end = 0
+
+    @staticmethod
+    def status(key: str) -> int:
+        """``key`` (``VmRSS``, ``VmHWM``) of ``/proc/self/status``, in bytes."""
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        raise KeyError(f"{key} is not in /proc/self/status")
+
+    def __enter__(self) -> RssPeak:
+        gc.collect()
+        trim_heap()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the resident size now
+        self.start = self.status("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = self.status("VmHWM") - self.start
+        self.end = self.status("VmRSS") - self.start
+        return False

@@ -4,7 +4,11 @@ views counted once, storages freed inside the region released, the baseline and 
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpar.runtime.memtrack import PeakMemory, live_tensors, storage_bytes
 
@@ -147,3 +151,57 @@ def test_allocator_peak_counts_what_the_warm_up_left_and_frees():
     with PeakMemory() as mem:
         step()
     assert alloc.start == mem.start and abs(alloc.peak - mem.peak) <= 64 and abs(alloc.end - mem.end) <= 64
+
+
+class _NoOpMode(TorchDispatchMode):
+    """A dispatch mode that changes nothing an op does: only its presence differs."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+N = 10 * 2**20  # floats: 40 MiB, above glibc's largest mmap threshold, so each block comes from the system
+
+
+def _gather_step(x0, idx, keep: list | None = None):
+    """A leaf made from ``x0`` (N floats), 10 of its elements gathered and summed, backward: the leaf and
+    its gradient (a zeroed buffer scattered into, in place) are the step's only large blocks."""
+    x = x0.clone().requires_grad_()
+    x.gather(0, idx).sum().backward()
+    if keep is not None:
+        keep.append(x)
+
+
+def test_allocator_peak_measures_the_step_as_it_runs():
+    """The allocator's peak of a step run bare is what the step allocates by hand count and by RSS: the leaf
+    and its gradient, 2 x 40 MiB (plus the gathered 10 floats and a few scalars); without the gradient kept
+    at the end (``peak_without``), the leaf alone. A dispatch mode, however idle, makes the gather's
+    backward allocate its gradient twice (out of place), which the allocator sees (3 x 40 MiB) and which
+    PeakMemory, itself a dispatch mode, cannot help but measure."""
+    from fxpar.runtime.memtrack import AllocatorPeak, RssPeak
+
+    x0, idx, kept = torch.randn(N), torch.arange(10), []
+    step = functools.partial(_gather_step, x0, idx)
+
+    def allocator(mode=None):
+        with AllocatorPeak() as mem:
+            step()
+            mem.mark()
+            with mode or contextlib.nullcontext():
+                step(kept)
+        return mem
+
+    bare = allocator()
+    assert 0 <= bare.peak - bare.start - 2 * N * F <= 256
+    assert 0 <= bare.peak_without([kept[0].grad]) - bare.start - N * F <= 256
+    assert 0 <= bare.end - bare.start - 2 * N * F <= 256  # the kept leaf and its gradient
+    kept.clear()
+    moded = allocator(_NoOpMode())
+    assert 0 <= moded.peak - moded.start - 3 * N * F <= 256
+    kept.clear()
+    with RssPeak() as rss:
+        step()
+    assert abs(rss.peak - 2 * N * F) <= 4 * 2**20, rss.peak / 2**20
+    with PeakMemory() as mem:
+        step()
+    assert 0 <= mem.peak - mem.start - 3 * N * F <= 256
