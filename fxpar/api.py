@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from fxpar import auto, launch, passes
-from fxpar.cost.device import DeviceModel
 from fxpar.cost.flops import annotate_costs
 from fxpar.cost.partition import balanced_cuts, resolve_split_points
 from fxpar.cost.predict import annotate_stages, memory_per_rank
+from fxpar.cost.profiles import DeviceProfile
 from fxpar.frontend.capture import capture_program
 from fxpar.ir.batch import batch_size, split_batch
 from fxpar.ir.errors import PlanError
@@ -65,10 +65,11 @@ def trace(model: torch.nn.Module, example_args: tuple = (), example_kwargs: dict
 class _Builder:
     """Compiles one input signature for this rank: trace one microbatch, cut, run the passes, predict."""
 
-    def __init__(self, model, plan: Plan, mesh: MeshSpec, setup, actions, device, device_model: DeviceModel,
+    def __init__(self, model, plan: Plan, mesh: MeshSpec, setup, actions, device, profile: DeviceProfile,
                  frontend: str, weights: WeightSource | None, groups: ParamGroups | None = None):
         self.model, self.plan, self.mesh, self.setup, self.actions = model, plan, mesh, setup, actions
-        self.device, self.device_model, self.frontend, self.weights = device, device_model, frontend, weights
+        self.device, self.profile, self.frontend, self.weights = device, profile, frontend, weights
+        self.dtype = auto.compute_dtype(model, plan)  # what the roofline prices the cuts and stage times in
         self.groups = groups  # the optimizer's parameter groups: ZeRO-3 buckets never mix them
         self.on_meta = any(p.is_meta for p in model.parameters())
         self.cuts: list[tuple[str, str]] | None = None
@@ -103,9 +104,9 @@ class _Builder:
                 self.cuts = resolve_split_points(program, plan.split_points)
                 feasibility.check_split_points(self.cuts, plan, setup.n_stages)
             else:
-                self.cuts = balanced_cuts(program, setup.n_stages, self.device_model)
+                self.cuts = balanced_cuts(program, setup.n_stages, self.profile, self.dtype)
             if self.mesh.rank == 0:  # stages nearly empty or a large bubble: the numbers and a better plan, once
-                warn_pipeline(program, self.cuts, plan, setup, self.device_model)
+                warn_pipeline(program, self.cuts, plan, setup, self.profile, self.dtype)
         ctx = passes.PassContext(plan, self.mesh, self.device, cuts=self.cuts, stage_to_rank=list(setup.stage_to_rank),
                                  load=self._load if self.weights is not None else None,
                                  load_flat=self.weights.load_flat if self.weights is not None else None,
@@ -121,8 +122,8 @@ class _Builder:
             self.weights.release({a for info in program.params.values() for a in info.fqns})
         feasibility.check_zero3_ties(plan, feasibility.tied_across_ranks(pipeline, setup.stage_to_rank))
         # priced on this rank's program: after TP its nodes cost their shards (the TP pass prices them)
-        predicted = annotate_stages(local, pipeline, self.cuts, self.device_model, self.actions,
-                                    list(setup.stage_to_rank))
+        predicted = annotate_stages(local, pipeline, self.cuts, self.profile, self.actions,
+                                    list(setup.stage_to_rank), self.dtype)
         return CompileResult(program, local, pipeline, ctx.out.tp, ctx.out.zero3_buckets, predicted, ctx.out.timings)
 
 
@@ -133,9 +134,9 @@ def _world() -> tuple[int, int]:
 
 
 def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
-            *, optimizer=None, device=None, device_model: DeviceModel | None = None, frontend: str = "auto",
+            *, optimizer=None, device=None, profile: DeviceProfile | str | None = None, frontend: str = "auto",
             timeout: float | None = None, program: Program | None = None, weights=None,
-            max_grad_norm: float | None = None, param_groups=None) -> CompiledModel:
+            max_grad_norm: float | None = None, param_groups=None, device_model=None) -> CompiledModel:
     """Compile ``model`` for ``plan`` on this rank (call it on every rank with the same arguments).
 
     ``plan``: a :class:`Plan`, its text (``"dp=2,pp=2"``) or ``"auto"``: every rank chooses the same plan
@@ -160,6 +161,11 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     :func:`fxpar.launch.device_for_rank` picks (``cuda:<LOCAL_RANK>``, or the CPU). A peer that dies makes every other rank raise :class:`fxpar.runtime.liveness.PeerFailure`
     naming it, within the timeout.
 
+    ``profile``: the device profile (:class:`~fxpar.cost.profiles.DeviceProfile`, a profile name such as
+    ``"h100-80gb"`` or a ``fxpar calibrate`` JSON path) the pipeline cuts are balanced and the stage times
+    predicted on; None: this device's (:func:`fxpar.auto.device_profile`), under ``"auto"`` the one the plan
+    was priced on. ``device_model=`` is its deprecated spelling (a DeviceProfile; one release).
+
     ``max_grad_norm``: every ``step`` clips the global L2 norm of the gradients (all TP shards, stages and
     ZeRO shards, each entry once) to it after their sync, as ``torch.nn.utils.clip_grad_norm_`` before the
     optimizer step; ``float('inf')`` only measures it. The norm before clipping is
@@ -174,6 +180,7 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     bucket's group (ZeRO buckets never mix groups). Without it the factory gets a plain list.
     """
     check_max_grad_norm(max_grad_norm)  # before any communication
+    profile = auto.profile_arg(profile, device_model)
     groups = ParamGroups.from_rule(model, param_groups) if param_groups is not None else None
     is_auto = isinstance(plan, str) and plan.strip().lower() == "auto"
     if is_auto:  # the same plan on every rank (pure), before any communication; checked across ranks below
@@ -181,8 +188,8 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
         chosen = auto.plan_for_compile(model, example_args, dict(example_kwargs or {}), world=auto.world_size(),
                                        device=device, optimizer=optimizer, frontend=frontend)
         plan = chosen.best
-        if device_model is None:  # the pipeline cuts balanced on the profile the plan was priced on
-            device_model = chosen.profile.device_model()
+        if profile is None:  # the pipeline cuts balanced on the profile the plan was priced on
+            profile = chosen.profile
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     if plan.fused_loss:  # the fused loss's kernels (loaded on demand: the module imports triton)
         import fxpar.runtime.kernels.cross_entropy  # noqa: F401
@@ -200,10 +207,10 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     feasibility.check_world(plan, world)
     device = device if device is not None else launch.device_for_model(model)
     # cuts balanced and stage times predicted on this device's profile (fxpar.auto.device_profile)
-    device_model = device_model if device_model is not None else auto.device_model_for(model, plan, device)
+    profile = profile if profile is not None else auto.device_profile(torch.device(device))[0]
     with liveness.guard("compile"):
         compiled = _compile(model, plan, MeshSpec.for_plan(plan, rank), example_args, example_kwargs,
-                            optimizer=optimizer, device=device, device_model=device_model, frontend=frontend,
+                            optimizer=optimizer, device=device, profile=profile, frontend=frontend,
                             timeout=timeout, program=program, weights=weights, dry=False,
                             max_grad_norm=max_grad_norm, groups=groups)
     compiled.autoplan = chosen if is_auto else None  # the ranked alternatives, for inspection
@@ -212,17 +219,19 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
 
 
 def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
-          *, rank: int = 0, optimizer=None, device_model: DeviceModel | None = None, frontend: str = "auto",
-          weights=None, param_groups=None) -> CompiledModel:
+          *, rank: int = 0, optimizer=None, profile: DeviceProfile | str | None = None, frontend: str = "auto",
+          weights=None, param_groups=None, device_model=None) -> CompiledModel:
     """What ``plan`` does on rank ``rank`` of its world, built on this one process without any process
     group: stages, placements, collectives, buckets, memory and predicted times (``fxpar.inspect`` reads
-    them). The result cannot run; ``step`` and ``__call__`` raise. ``device_model``: what the cuts are
-    balanced and the times predicted on (None: this machine's profile, :func:`fxpar.auto.device_profile`)."""
+    them). The result cannot run; ``step`` and ``__call__`` raise. ``profile``: the device profile the cuts
+    are balanced and the times predicted on, as ``compile``'s (None: this machine's profile,
+    :func:`fxpar.auto.device_profile`; ``device_model=``: its deprecated spelling)."""
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
-    device_model = device_model if device_model is not None else auto.device_model_for(model, plan)
+    profile = auto.profile_arg(profile, device_model, "fxpar.api.price")
+    profile = profile if profile is not None else auto.device_profile(None)[0]
     mesh = MeshSpec.for_plan(plan, rank)
     priced = _compile(model, plan, mesh, example_args, example_kwargs, optimizer=optimizer, device=None,
-                      device_model=device_model, frontend=frontend, timeout=None, program=None, weights=weights,
+                      profile=profile, frontend=frontend, timeout=None, program=None, weights=weights,
                       dry=True, groups=ParamGroups.from_rule(model, param_groups) if param_groups is not None else None)
     if plan.ep > 1 and not priced._build.on_meta:  # the experts' load the example batch gives (ep.stats)
         priced.ep.set_load(_expert_load(priced, example_args, example_kwargs))
@@ -240,7 +249,7 @@ def _expert_load(priced: CompiledModel, example_args, example_kwargs) -> dict:
     return {layer: c.view(spec.ep, m, -1).sum(1) for layer, c in counts.items()}
 
 
-def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *, optimizer, device, device_model,
+def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *, optimizer, device, profile,
              frontend, timeout, program, weights, dry: bool,
              max_grad_norm: float | None = None, groups: ParamGroups | None = None) -> CompiledModel:
     example_kwargs = dict(example_kwargs or {})
@@ -257,7 +266,7 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
     if plan.zero == 3 and source is None and not dry and _materialised(model):
         # ZeRO-3 holds only its shards: the model's tensors are read as weights= would be, and freed
         source = WeightSource.taking(model, rank=mesh.tp_rank)
-    builder = _Builder(model, plan, mesh, setup, actions, device, device_model, frontend, source, groups)
+    builder = _Builder(model, plan, mesh, setup, actions, device, profile, frontend, source, groups)
     if plan.ep > 1:  # the experts are found on the first trace, checked before any communication
         program = _check_experts(builder, plan, flat, example_args, example_kwargs, program, weights)
     dp_axis = "dp_shard" if plan.zero else "dp_replicate"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from dataclasses import fields
 
 import torch
@@ -68,13 +69,34 @@ def device_profile(device: str | DeviceProfile | torch.device | None = None) -> 
                                 "`fxpar calibrate` measures this host")
 
 
-def device_model_for(model: torch.nn.Module, plan: Plan, device=None):
-    """The :class:`~fxpar.cost.device.DeviceModel` ``compile`` balances pipeline cuts and predicts stage times
-    with: :func:`device_profile`'s profile of ``device`` (None: this machine's), for the dtype the step
-    computes in (bf16 under ``mixed_precision="bf16"``, else the model's parameters')."""
+def compute_dtype(model: torch.nn.Module, plan: Plan) -> str:
+    """The dtype a step of ``plan`` computes in: bf16 under ``mixed_precision="bf16"``, else the model's
+    parameters' (what the roofline prices matrix products at: :mod:`fxpar.cost.roofline`)."""
     param = next(iter(model.parameters()), None)
-    dtype = "bf16" if plan.mixed_precision == "bf16" else str(param.dtype if param is not None else torch.float32)
-    return device_profile(torch.device(device) if device is not None else None)[0].device_model(dtype)
+    return "bf16" if plan.mixed_precision == "bf16" else str(param.dtype if param is not None else torch.float32)
+
+
+def profile_arg(profile, device_model=None, where: str = "fxpar.compile") -> DeviceProfile | None:
+    """The device profile a caller of ``compile`` / ``fxpar.api.price`` gave: ``profile=`` (a
+    :class:`DeviceProfile`, a profile name or the JSON path ``fxpar calibrate`` wrote), or the deprecated
+    ``device_model=`` (a DeviceProfile, with a DeprecationWarning); None when neither was given. Anything
+    else (the retired ``DeviceModel``, a number) is a PlanError naming the fix."""
+    fix = ("pass profile= a DeviceProfile (fxpar.cost.profiles.PROFILES['h100-80gb'], load_profile(...)) "
+           "or a profile name ('h100-80gb', 'cpu') or a `fxpar calibrate` JSON path")
+    if device_model is not None:
+        if profile is not None:
+            raise PlanError(f"{where}: both profile= and device_model= given", fix="pass profile= only")
+        if not isinstance(device_model, DeviceProfile):
+            raise PlanError(f"{where}: device_model={type(device_model).__name__!s} is not a DeviceProfile "
+                            "(the separate device model is gone: one device type, DeviceProfile)", fix=fix)
+        warnings.warn(f"{where}: device_model= is deprecated; pass profile= (a DeviceProfile or a profile name)",
+                      DeprecationWarning, stacklevel=3)
+        return device_model
+    if profile is None or isinstance(profile, DeviceProfile):
+        return profile
+    if isinstance(profile, (str, os.PathLike)):
+        return device_profile(str(profile))[0]
+    raise PlanError(f"{where}: profile={type(profile).__name__} is not a DeviceProfile or a profile name", fix=fix)
 
 
 def tp_degrees(world: int, ranks_per_node: int) -> tuple[int, ...]:

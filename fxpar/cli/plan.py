@@ -39,7 +39,7 @@ def cmd_plan(args) -> int:
     with warnings.catch_warnings(record=True) as caught:  # fxpar's warnings about the plan, printed plainly
         warnings.simplefilter("always")
         priced = price(model, plan, example_kwargs=kwargs, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                       device_model=profile.device_model("bf16" if plan.mixed_precision else _dtype(model)))
+                       profile=profile)
     for w in caught:
         print(f"fxpar: warning: {w.message}", file=sys.stderr)
     report = fxpar.inspect(priced, quiet=True)

@@ -8,9 +8,10 @@ less than a block when a vocabulary-sized head or embedding would otherwise leav
 
 :func:`balanced_cuts` chooses the cuts that minimise the slowest stage's forward + backward time plus
 its boundary transfers (activations in, gradients back) by dynamic programming over the candidates,
-every node weighted by the roofline model of :mod:`fxpar.cost.device` (so the LM head counts its
-vocabulary-sized matmul and the memory-bound loss over the logits, the embedding its gather).
-Boundary bytes leave out what every stage recomputes instead of receiving (masks, rotary tables:
+every node weighted by the roofline of :mod:`fxpar.cost.roofline` on a device profile (so the LM head
+counts its vocabulary-sized matmul and the memory-bound loss over the logits, the embedding its gather).
+Without a profile, the published H100's in bf16 (:data:`fxpar.cost.profiles.H100`). Boundary bytes leave
+out what every stage recomputes instead of receiving (masks, rotary tables:
 :mod:`fxpar.cost.boundary`); :func:`stage_costs` counts exactly what the split sends.
 """
 
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 import torch.fx
 
 from fxpar.cost.boundary import recomputable, routed_bytes, value_bytes
-from fxpar.cost.device import H100, DeviceModel
+from fxpar.cost.profiles import H100, DeviceProfile
+from fxpar.cost.roofline import node_time, transfer_time
 from fxpar.ir import meta
 from fxpar.ir.analysis import grad_flow
 from fxpar.ir.errors import PlanError
@@ -98,14 +100,15 @@ def cut_positions(program: Program, modules: list[str]) -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
-def node_times(program: Program, device: DeviceModel) -> list[tuple[float, float]]:
-    """(fwd, bwd) seconds of every top-level node, subgraphs of higher-order ops included."""
+def node_times(program: Program, profile: DeviceProfile = H100, dtype: str = "bf16") -> list[tuple[float, float]]:
+    """(fwd, bwd) roofline seconds of every top-level node computing in ``dtype``, subgraphs of
+    higher-order ops included."""
     times = []
     for node in top_nodes(program):
-        fwd, bwd = device.node_time(node.meta.get(meta.COST, meta.ZERO_COST))
+        fwd, bwd = node_time(profile, node.meta.get(meta.COST, meta.ZERO_COST), dtype)
         for sub in subgraphs_of(program.gm, node):
             for inner in iter_nodes(sub):
-                f, b = device.node_time(inner.meta.get(meta.COST, meta.ZERO_COST))
+                f, b = node_time(profile, inner.meta.get(meta.COST, meta.ZERO_COST), dtype)
                 fwd, bwd = fwd + f, bwd + b
         times.append((fwd, bwd))
     return times
@@ -159,10 +162,10 @@ def _param_counts(program: Program) -> list[int]:
 class _Costs:
     """Prefix sums so that any stage [a, b) costs O(1) for the dynamic program."""
 
-    def __init__(self, program: Program, device: DeviceModel):
-        self.times = node_times(program, device)
+    def __init__(self, program: Program, profile: DeviceProfile, dtype: str):
+        self.times = node_times(program, profile, dtype)
         self.cross, self.gcross = crossing_bytes(program)
-        self.device = device
+        self.profile = profile
         self.pf, self.pb, self.pp = [0.0], [0.0], [0]
         for (f, b), p in zip(self.times, _param_counts(program)):
             self.pf.append(self.pf[-1] + f)
@@ -172,21 +175,27 @@ class _Costs:
     def total(self, a: int, b: int) -> float:
         """Forward + backward + transfer time of stage [a, b): activations in at ``a`` and out at ``b``,
         gradients of those a gradient flows through the other way."""
-        t, n = self.device.transfer_time, len(self.times)
+        p, n = self.profile, len(self.times)
+
+        def t(nbytes):
+            return transfer_time(p, nbytes)
         xfer = (t(self.cross[a]) + t(self.gcross[a]) if a else 0.0) + \
             (t(self.cross[b]) + t(self.gcross[b]) if b < n else 0.0)
         return self.pf[b] - self.pf[a] + self.pb[b] - self.pb[a] + xfer
 
 
-def stage_costs(program: Program, cuts: list[tuple[str, str]], device: DeviceModel = H100) -> list[StageCost]:
-    """The cost of each stage for the given cuts; its bytes are the ones the split sends
-    (:func:`fxpar.cost.boundary.routed_bytes`: each value once to each stage reading it)."""
+def stage_costs(program: Program, cuts: list[tuple[str, str]], profile: DeviceProfile = H100,
+                dtype: str = "bf16") -> list[StageCost]:
+    """The cost of each stage for the given cuts on ``profile`` computing in ``dtype``; its bytes are the
+    ones the split sends (:func:`fxpar.cost.boundary.routed_bytes`: each value once to each stage reading it)."""
     spans = module_positions(program)
-    costs = _Costs(program, device)
+    costs = _Costs(program, profile, dtype)
     bounds = [0] + [cut_position(spans, c) for c in cuts] + [len(costs.times)]
     names = [""] + [m if w == "beginning" else f"after {m}" for m, w in cuts]
     routed = routed_bytes(program, bounds)
-    t = device.transfer_time
+
+    def t(nbytes):
+        return transfer_time(profile, nbytes)
     out = []
     for i, name in enumerate(names):
         a, b = bounds[i], bounds[i + 1]
@@ -197,9 +206,10 @@ def stage_costs(program: Program, cuts: list[tuple[str, str]], device: DeviceMod
     return out
 
 
-def balanced_cuts(program: Program, n_stages: int, device: DeviceModel = H100,
+def balanced_cuts(program: Program, n_stages: int, profile: DeviceProfile = H100, dtype: str = "bf16",
                   extra: tuple[str, ...] = ()) -> list[tuple[str, str]]:
-    """Cuts ``(module, "beginning")`` minimising the slowest stage's fwd + bwd + transfer time."""
+    """Cuts ``(module, "beginning")`` minimising the slowest stage's fwd + bwd + transfer time on
+    ``profile`` computing in ``dtype``."""
     if n_stages == 1:
         return []
     cands = cut_positions(program, candidate_modules(program, extra))
@@ -210,7 +220,7 @@ def balanced_cuts(program: Program, n_stages: int, device: DeviceModel = H100,
             f"{len(cands)} cut points ({', '.join(list(cands.values())[:8])}{'...' if len(cands) > 8 else ''}): "
             f"at most {len(cands) + 1} stages (pp x virtual_stages); with its {blocks} decoder layers, "
             f"{blocks} stages give each one layer; use fewer stages, or name more modules to cut at in split_points")
-    costs = _Costs(program, device)
+    costs = _Costs(program, profile, dtype)
     pts = [0] + list(cands) + [len(costs.times)]
     k = len(pts) - 1
     inf = float("inf")

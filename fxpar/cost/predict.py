@@ -2,7 +2,7 @@
 the memory a rank holds for parameters, gradients and optimizer states, and the activations it holds
 for backward under each recompute policy.
 
-Pure functions of the program, the plan and a device model; the compile wiring calls them, and so can
+Pure functions of the program, the plan and a device profile; the compile wiring calls them, and so can
 a planner pricing plans it never builds.
 """
 
@@ -13,8 +13,9 @@ import re
 import torch
 import torch.fx
 
-from fxpar.cost.device import DeviceModel
 from fxpar.cost.partition import candidate_modules, cut_positions, stage_costs
+from fxpar.cost.profiles import DeviceProfile
+from fxpar.cost.roofline import transfer_time
 from fxpar.cost.saved import MATMUL_LIKE, SavedTensors
 from fxpar.ir import meta
 from fxpar.ir.analysis import grad_flow
@@ -25,20 +26,21 @@ from fxpar.ir.stage import PipelineProgram
 RECOMPUTE = ("none", "layer", "selective")
 
 
-def annotate_stages(traced, pipeline: PipelineProgram, cuts, device: DeviceModel, actions,
-                    stage_to_rank: list[int]) -> dict:
-    """Fill each stage's predicted times and boundary bytes; the schedule's predicted step and bubble."""
+def annotate_stages(traced, pipeline: PipelineProgram, cuts, profile: DeviceProfile, actions,
+                    stage_to_rank: list[int], dtype: str = "fp32") -> dict:
+    """Fill each stage's predicted times and boundary bytes (``profile`` computing in ``dtype``); the
+    schedule's predicted step and bubble."""
     units = cut_positions(traced, candidate_modules(traced))
-    for spec, cost in zip(pipeline.stages, stage_costs(traced, cuts, device)):
+    for spec, cost in zip(pipeline.stages, stage_costs(traced, cuts, profile, dtype)):
         spec.fwd_time, spec.bwd_time, spec.transfer_time = cost.fwd, cost.bwd, cost.transfer
         spec.modules = [m for pos, m in units.items() if cost.start <= pos < cost.end]
         spec.recv_bytes, spec.send_bytes = cost.recv_bytes, cost.send_bytes
     f = [s.fwd_time for s in pipeline.stages]
     b = [s.bwd_time for s in pipeline.stages]
-    comm = max((device.transfer_time(s.send_bytes) for s in pipeline.stages), default=0.0)
+    comm = max((transfer_time(profile, s.send_bytes) for s in pipeline.stages), default=0.0)
     sim = simulate(actions, stage_to_rank, {"F": f, "B": b, "I": [x / 2 for x in b], "W": [x / 2 for x in b]},
                    comm=comm)
-    return {"step_time": sim.makespan, "bubble": sim.bubble, "device": device.name}
+    return {"step_time": sim.makespan, "bubble": sim.bubble, "device": profile.name}
 
 
 def memory_per_rank(numel: int, zero: int, dp: int, states: int, dp_replicate: int = 1) -> dict[str, int]:

@@ -3,8 +3,8 @@ collectives (an alpha-beta model per link, or per kind and group size where ``fx
 
 A profile prices a node with a roofline (the larger of its FLOPs over the sustained matmul rate and its bytes
 over the memory bandwidth, plus a per-op launch overhead) and a collective with the ring formulas below. The
-planner (:mod:`fxpar.planner`) prices whole plans with them; :meth:`DeviceProfile.device_model` gives the
-older :class:`~fxpar.cost.device.DeviceModel` the cut balancing uses.
+planner (:mod:`fxpar.planner`) prices whole plans with them, ``fxpar.compile`` balances its pipeline cuts
+and predicts stage times with them (:mod:`fxpar.cost.roofline`): one device type everywhere.
 
 Where the figures come from: :data:`PROFILES` holds the published specs of H100 / H200 / A100 times the
 sustained efficiencies stated next to them, and a rough default for an uncalibrated CPU host;
@@ -21,7 +21,6 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fxpar.cost.device import DeviceModel
 from fxpar.ir.errors import PlanError
 
 __all__ = ["DEFAULT_PATH", "KINDS", "PROFILES", "DeviceProfile", "Link", "fit_alpha_beta", "fit_table", "load_profile", "profile_for_device",
@@ -179,9 +178,11 @@ class DeviceProfile:
         link = self.inter if inter_node else self.intra
         return steps * link.latency + share * nbytes / link.bandwidth
 
-    def device_model(self, dtype: str = "bf16") -> DeviceModel:
-        return DeviceModel(self.name, flops=self.matmul_flops(dtype), mem_bw=self.mem_bw,
-                           link_bw=self.inter.bandwidth, link_latency=self.inter.latency)
+    def device_model(self, dtype: str = "bf16") -> DeviceProfile:
+        """Deprecated (one release): the profile itself; the separate device model it gave is gone."""
+        warnings.warn("DeviceProfile.device_model() is deprecated: pass the DeviceProfile itself "
+                      "(fxpar.compile(..., profile=...))", DeprecationWarning, stacklevel=2)
+        return self
 
     def to_dict(self) -> dict:
         """Plain JSON-able data (int keys become strings in JSON; :meth:`from_dict` turns them back)."""

@@ -3,7 +3,8 @@ its schedule idles most of the step, with the numbers and a better plan.
 
 Reads the traced program (its cut candidates, decoder layers, node costs and parameters), the cuts
 ``fxpar.compile`` chose (:func:`fxpar.cost.partition.balanced_cuts` or the plan's ``split_points``), the
-plan, its :class:`~fxpar.planner.feasibility.PipelineSetup` and the device model the cuts were balanced on.
+plan, its :class:`~fxpar.planner.feasibility.PipelineSetup` and the device profile (and dtype) the cuts were
+balanced on.
 Writes nothing: :func:`pipeline_warning` returns the text (None when the pipeline is sound) and
 :func:`warn_pipeline` logs it on the ``fxpar`` logger, which ``fxpar plan`` and ``fxpar train`` print.
 
@@ -19,8 +20,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from fxpar.cost.device import DeviceModel
 from fxpar.cost.partition import candidate_modules, cut_positions, module_positions, stage_costs, top_nodes
+from fxpar.cost.profiles import DeviceProfile
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
@@ -39,7 +40,7 @@ log = logging.getLogger("fxpar")
 @dataclass(frozen=True)
 class StageLoad:
     """What one stage computes per microbatch: decoder layers whole in it and cut through, parameters,
-    forward + backward FLOPs and seconds (on the device model), the modules it starts and ends with."""
+    forward + backward FLOPs and seconds (on the device profile), the modules it starts and ends with."""
     index: int
     layers: int
     partial: int
@@ -74,14 +75,15 @@ def decoder_layers(program: Program) -> list[str]:
     return sorted((b for b in blocks if b in spans), key=lambda b: spans[b][0])
 
 
-def stage_loads(program: Program, cuts: list[tuple[str, str]], device: DeviceModel) -> list[StageLoad]:
-    """One :class:`StageLoad` per stage of ``cuts``."""
+def stage_loads(program: Program, cuts: list[tuple[str, str]], profile: DeviceProfile,
+                dtype: str = "fp32") -> list[StageLoad]:
+    """One :class:`StageLoad` per stage of ``cuts``, timed on ``profile`` computing in ``dtype``."""
     spans = module_positions(program)
     nodes = top_nodes(program)
     units = cut_positions(program, candidate_modules(program))
     blocks = [spans[b] for b in decoder_layers(program)]
     out = []
-    for i, cost in enumerate(stage_costs(program, cuts, device)):
+    for i, cost in enumerate(stage_costs(program, cuts, profile, dtype)):
         a, b = cost.start, cost.end
         whole = sum(a <= lo and hi < b for lo, hi in blocks)
         partial = sum(lo < b and hi >= a for lo, hi in blocks) - whole
@@ -102,13 +104,13 @@ def _bubble(schedule: str, pp: int, m: int, n_stages: int, stage_to_rank, loads:
 
 
 def pipeline_warning(program: Program, cuts: list[tuple[str, str]], plan: Plan, setup,
-                     device: DeviceModel) -> str | None:
+                     profile: DeviceProfile, dtype: str = "fp32") -> str | None:
     """The warning for a pipeline whose stages are nearly empty (under :data:`EMPTY_SHARE` of the busiest
     stage's forward + backward FLOPs) or whose bubble exceeds :data:`BUBBLE_LIMIT`: the numbers per stage and a better plan.
     None for a sound pipeline (or none at all)."""
     if setup.n_stages < 2:
         return None
-    loads = stage_loads(program, cuts, device)
+    loads = stage_loads(program, cuts, profile, dtype)
     busiest = max(x.flops for x in loads)  # FLOPs, not seconds: tiny stages are bound by memory on any device
     empty = [x for x in loads if x.flops < EMPTY_SHARE * busiest]
     bubble = _bubble(setup.schedule, plan.pp, setup.microbatches, setup.n_stages, setup.stage_to_rank, loads)
@@ -166,9 +168,10 @@ def _better(plan: Plan, setup, n_layers: int, loads, bubble: float, empty) -> st
     return ("better: " + "; or ".join(out)) if out else ""
 
 
-def warn_pipeline(program: Program, cuts: list[tuple[str, str]], plan: Plan, setup, device: DeviceModel) -> None:
+def warn_pipeline(program: Program, cuts: list[tuple[str, str]], plan: Plan, setup, profile: DeviceProfile,
+                  dtype: str = "fp32") -> None:
     """Log :func:`pipeline_warning`'s text on the ``fxpar`` logger, if any."""
-    text = pipeline_warning(program, cuts, plan, setup, device)
+    text = pipeline_warning(program, cuts, plan, setup, profile, dtype)
     if text:
         log.warning("fxpar: warning: " + text)
 

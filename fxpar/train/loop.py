@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from fxpar.auto import compute_dtype
 from fxpar.ir.batch import counted_labels
 from fxpar.ir.errors import PlanError
 from fxpar.ir.schedule import microbatches
@@ -170,7 +171,9 @@ class FineTune:
         seen = extra.get("tokens_seen", self.start * self.accum * a.batch * a.seq)
         self.progress = Progress(self.start, a.steps, int(seen))
         self.flops = M.step_flops(self.compiled.program)
-        self.device_model = M.device_model(self.device)
+        # MFU against the device profile's peak in the dtype the step computes in (as the planner's)
+        self.mfu_profile = M.device_profile(self.device)
+        self.mfu_dtype = compute_dtype(model, self.compiled.plan)
         self.losses: list[float] = []
         self.evals: list[dict] = []
 
@@ -211,7 +214,7 @@ class FineTune:
         if (step + 1) % a.log_every == 0 or step + 1 == a.steps:
             epoch = self.stream.epoch()
             record.update({"mem_mib_per_rank": M.memory_per_rank(self.compiled),
-                           "mfu": M.mfu(self.flops, dt, self.world, self.device_model),
+                           "mfu": M.mfu(self.flops, dt, self.world, self.mfu_profile, self.mfu_dtype),
                            **({"epoch": epoch} if epoch is not None else {}),
                            **getattr(self.stream, "progress", dict)()})  # streamed data: what is read so far
             self.log.write(record)

@@ -6,9 +6,9 @@ scalars when ``torch.utils.tensorboard`` can be imported, and the numbers behind
 * **MFU**: model FLOPs of one training step from the cost model (``fxpar.cost`` annotations of the
   traced program: every node's forward and backward FLOPs for the traced batch, i.e. the whole model,
   before any parallelisation, recomputation excluded as in the PaLM definition) divided by the step time
-  and by ``world x`` the sustained FLOP/s of the device model (``fxpar.cost.device``: ``H100`` on CUDA,
-  ``CPU`` on the CPU). It is an estimate against a sustained rate, not a vendor peak: compare runs with
-  it, not devices.
+  and by ``world x`` the peak FLOP/s of the device's profile (:func:`fxpar.cost.profiles.profile_for_device`:
+  a GPU's published dense peak in the dtype the step computes in; a CPU host's calibrated or rough
+  sustained rate, having no published peak), as the planner's predicted MFU.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fxpar.cost.device import CPU, H100, DeviceModel
+from fxpar.cost.profiles import DeviceProfile, profile_for_device
 from fxpar.ir import meta
 
 
@@ -34,13 +34,15 @@ def step_flops(program) -> int:
     return total
 
 
-def device_model(device: torch.device) -> DeviceModel:
-    return H100 if torch.device(device).type == "cuda" else CPU
+def device_profile(device: torch.device) -> DeviceProfile:
+    """The profile of the device the ranks compute on (its MFU denominator)."""
+    return profile_for_device(device)
 
 
-def mfu(flops: float, seconds: float, world: int, device: DeviceModel) -> float:
-    """Model FLOPs utilisation of a step of ``flops`` that took ``seconds`` on ``world`` devices."""
-    return flops / max(seconds, 1e-12) / (world * device.flops)
+def mfu(flops: float, seconds: float, world: int, profile: DeviceProfile, dtype: str = "fp32") -> float:
+    """Model FLOPs utilisation of a step of ``flops`` that took ``seconds`` on ``world`` devices of
+    ``profile`` computing in ``dtype``: against the profile's peak (:meth:`DeviceProfile.peak`)."""
+    return flops / max(seconds, 1e-12) / (world * profile.peak(dtype))
 
 
 def memory_per_rank(compiled) -> list[float]:

@@ -9,8 +9,10 @@ import pytest
 import fxpar
 from fxpar import zoo
 from fxpar.cost import partition as P
-from fxpar.cost.device import CPU
+from fxpar.cost.profiles import PROFILES
 from fxpar.ir.errors import PlanError
+
+CPU_P = PROFILES["cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -28,20 +30,21 @@ def test_candidates_follow_the_pp_plan_and_block_children(llama):
 
 
 @pytest.mark.parametrize("n_stages", [2, 3, 4])
-@pytest.mark.parametrize("device", [CPU, P.H100], ids=["cpu", "h100"])
+@pytest.mark.parametrize("device", [("cpu", "fp32"), ("h100-80gb", "bf16")], ids=["cpu", "h100"])
 def test_dynamic_program_matches_brute_force(llama, n_stages, device):
+    profile, dtype = PROFILES[device[0]], device[1]
     cands = list(P.cut_positions(llama, P.candidate_modules(llama)).values())
-    best = min(max(c.total for c in P.stage_costs(llama, [(m, "beginning") for m in combo], device))
+    best = min(max(c.total for c in P.stage_costs(llama, [(m, "beginning") for m in combo], profile, dtype))
                for combo in itertools.combinations(cands, n_stages - 1))
-    cuts = P.balanced_cuts(llama, n_stages, device)
-    got = max(c.total for c in P.stage_costs(llama, cuts, device))
+    cuts = P.balanced_cuts(llama, n_stages, profile, dtype)
+    got = max(c.total for c in P.stage_costs(llama, cuts, profile, dtype))
     assert got == pytest.approx(best, rel=1e-9)
 
 
 def test_stage_costs_add_up(llama):
-    cuts = P.balanced_cuts(llama, 3, CPU)
-    costs = P.stage_costs(llama, cuts, CPU)
-    whole = P.stage_costs(llama, [], CPU)[0]
+    cuts = P.balanced_cuts(llama, 3, CPU_P)
+    costs = P.stage_costs(llama, cuts, CPU_P)
+    whole = P.stage_costs(llama, [], CPU_P)[0]
     assert sum(c.fwd for c in costs) == pytest.approx(whole.fwd)
     assert sum(c.params for c in costs) == whole.params
     assert costs[0].recv_bytes == 0 and costs[-1].send_bytes == 0

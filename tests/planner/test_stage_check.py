@@ -10,8 +10,8 @@ import torch
 
 import fxpar
 from fxpar import zoo
-from fxpar.cost.device import CPU
 from fxpar.cost.partition import balanced_cuts
+from fxpar.cost.profiles import PROFILES
 from fxpar.planner import feasibility
 from fxpar.planner.stage_check import BUBBLE_LIMIT, decoder_layers, pipeline_warning, stage_loads
 from fxpar.report.budget import graph_flops
@@ -29,12 +29,12 @@ def program():
 def _warning(program, text: str, batch: int = 16):
     plan = fxpar.Plan.parse(text)
     setup = feasibility.pipeline_setup(plan, batch)
-    return pipeline_warning(program, balanced_cuts(program, setup.n_stages, CPU), plan, setup, CPU)
+    return pipeline_warning(program, balanced_cuts(program, setup.n_stages, PROFILES["cpu"]), plan, setup, PROFILES["cpu"])
 
 
 def test_loads_add_up_to_the_program(program):
     """Every node, parameter and decoder layer lands in exactly one stage."""
-    loads = stage_loads(program, balanced_cuts(program, 4, CPU), CPU)
+    loads = stage_loads(program, balanced_cuts(program, 4, PROFILES["cpu"]), PROFILES["cpu"])
     assert sum(x.params for x in loads) == sum(p.numel for p in program.params.values() if not p.is_buffer)
     assert sum(x.flops for x in loads) == sum(graph_flops(program.gm))  # higher-order ops' bodies included
     assert decoder_layers(program) == [f"model.layers.{i}" for i in range(4)]
