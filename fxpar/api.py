@@ -17,8 +17,9 @@ from torch.utils import _pytree as pytree
 
 from fxpar import auto, launch, passes
 from fxpar.cost.flops import annotate_costs
+from fxpar.cost.memory import state_bytes
 from fxpar.cost.partition import balanced_cuts, resolve_split_points
-from fxpar.cost.predict import annotate_stages, memory_per_rank
+from fxpar.cost.predict import annotate_stages
 from fxpar.cost.profiles import DeviceProfile
 from fxpar.frontend.capture import capture_program
 from fxpar.ir.batch import batch_size, split_batch
@@ -273,8 +274,8 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
     device_mesh = None if dry or mesh.world_size == 1 else mesh_groups(mesh, device.type, dp_axis)  # communicates
     return CompiledModel(builder, model, plan, mesh, setup, actions, example_args, example_kwargs, optimizer,
                          device=device, timeout=timeout, device_mesh=device_mesh, program=program, dry=dry,
-                         predict_memory=lambda n, states: memory_per_rank(n, plan.zero, plan.dp, states,
-                                                                          plan.dp_replicate),
+                         predict_memory=lambda n, states: state_bytes(n, plan.zero, plan.dp, states,
+                                                                     plan.dp_replicate),
                          lower_collectives=lower_collectives,  # for Plan(compile=True); runtime never imports passes
                          max_grad_norm=max_grad_norm, param_groups=groups)
 

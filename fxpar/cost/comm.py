@@ -8,8 +8,9 @@ report and a planner can price a plan for any world on one process.
 
 * :func:`collective_bytes` gives raw payload bytes (the full, unsharded tensor each collective works
   on), :func:`collective_events` the same per node with the module it belongs to;
-* :func:`ring_bytes` / :func:`collective_ring_bytes` turn them into what each rank sends under ring
-  algorithms;
+* :data:`RING` is the one collective table (ring steps and the share of the full tensor each rank sends,
+  per kind): :func:`ring_bytes` / :func:`collective_ring_bytes` / :func:`sent_bytes` turn payloads into
+  what each rank sends with it, and :meth:`fxpar.cost.profiles.DeviceProfile.collective_time` times them;
 * :func:`step_collectives`, :func:`data_parallel_collectives` and :func:`pipeline_transfers` give one
   training step's communication per rank: the graph's collectives (TP, ZeRO-3) times the microbatches,
   the data-parallel engine's gradient reduction and parameter gathering, the pipeline's sends.
@@ -34,8 +35,26 @@ from fxpar.ir.numeric import nbytes
 from fxpar.ir.ops import COLLECTIVE_OPS, collective_nodes, group_size
 from fxpar.ir.wire import int8_wire_bytes
 
-__all__ = ["COMMS", "collective_bytes", "collective_events", "collective_ring_bytes", "data_parallel_collectives",
-           "payloads", "pipeline_transfers", "ring_bytes", "step_collectives"]
+__all__ = ["COMMS", "KINDS", "RING", "collective_bytes", "collective_events", "collective_ring_bytes", "data_parallel_collectives",
+           "payloads", "pipeline_transfers", "ring", "ring_bytes", "sent_bytes", "step_collectives"]
+
+# The one collective table, ring algorithms on n ranks: (steps of latency, and the share of the full
+# tensor's bytes each rank sends as numerator, denominator). Every byte and time formula reads it.
+RING = {
+    "all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1), n),
+    "all_gather": lambda n: (n - 1, n - 1, n),
+    "reduce_scatter": lambda n: (n - 1, n - 1, n),
+    "all_to_all": lambda n: (n - 1, n - 1, n),
+    "broadcast": lambda n: (n - 1, n - 1, n),
+    "send": lambda n: (1, 1, 1),
+}
+KINDS = tuple(RING)
+
+
+def ring(kind: str, n: int) -> tuple[int, float]:
+    """(steps of latency, share of the full tensor's bytes each rank sends) of ``kind`` on ``n`` ranks."""
+    steps, num, den = RING[kind](n)
+    return steps, num / den
 
 # op -> (communication its forward does, communication its backward does); None: no communication.
 COMMS: dict[str, tuple[str | None, str | None]] = {
@@ -143,13 +162,19 @@ def collective_bytes(gm: torch.fx.GraphModule, *, backward: bool = False) -> dic
 
 def ring_bytes(comm: str, payload: int, n: int) -> int:
     """Bytes each rank sends for a collective of ``payload`` (full-tensor) bytes over ``n`` ranks
-    with a ring algorithm: all-reduce ``2(n-1)/n * payload``, all-gather and reduce-scatter
-    ``(n-1)/n * payload`` (rounded down)."""
-    if comm == "all_reduce":
-        return 2 * (n - 1) * payload // n
-    if comm in ("all_gather", "reduce_scatter"):
-        return (n - 1) * payload // n
-    raise FxparError(f"unknown communication {comm!r}; use all_reduce, all_gather or reduce_scatter")
+    with a ring algorithm (:data:`RING`): all-reduce ``2(n-1)/n * payload``, all-gather and
+    reduce-scatter ``(n-1)/n * payload`` (rounded down)."""
+    if comm not in RING:
+        raise FxparError(f"unknown communication {comm!r}; use one of {', '.join(KINDS)}")
+    _, num, den = RING[comm](n)
+    return num * payload // den
+
+
+def sent_bytes(comm: str, payload: float, n: int) -> float:
+    """:func:`ring_bytes` unrounded, for a payload that is an estimate (0 on one rank)."""
+    if n <= 1:
+        return 0.0
+    return payload * ring(comm, n)[1]
 
 
 def collective_ring_bytes(gm: torch.fx.GraphModule, *, backward: bool = False) -> dict[str, int]:

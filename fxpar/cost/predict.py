@@ -1,6 +1,6 @@
 """Predictions for a split program: per-stage times and bytes, the schedule's step time and bubble,
-the memory a rank holds for parameters, gradients and optimizer states, and the activations it holds
-for backward under each recompute policy.
+and the activations a rank holds for backward under each recompute policy (the memory it holds for
+parameters, gradients and optimizer states: :func:`fxpar.cost.memory.state_bytes`).
 
 Pure functions of the program, the plan and a device profile; the compile wiring calls them, and so can
 a planner pricing plans it never builds.
@@ -41,17 +41,6 @@ def annotate_stages(traced, pipeline: PipelineProgram, cuts, profile: DeviceProf
     sim = simulate(actions, stage_to_rank, {"F": f, "B": b, "I": [x / 2 for x in b], "W": [x / 2 for x in b]},
                    comm=comm)
     return {"step_time": sim.makespan, "bubble": sim.bubble, "device": profile.name}
-
-
-def memory_per_rank(numel: int, zero: int, dp: int, states: int, dp_replicate: int = 1) -> dict[str, int]:
-    """Bytes one rank holds between steps for ``numel`` trainable fp32 parameter entries of its stages:
-    ZeRO-1/2 add an fp32 master shard; ZeRO-2 keeps gradient shards only (plus full gradients of the
-    step in flight, not counted); ZeRO-3 keeps shards of everything; ``states`` optimizer states per entry.
-    ``dp_replicate`` (HSDP): the shards are over ``dp / dp_replicate`` ranks, each held by that many replicas."""
-    n, dp = numel, dp // dp_replicate
-    return {"params": 4 * n // dp if zero == 3 else 4 * n + (4 * n // dp if zero in (1, 2) else 0),
-            "grads": 4 * n // dp if zero >= 2 else 4 * n + (4 * n // dp if zero == 1 else 0),
-            "optimizer": 4 * states * n // (dp if zero >= 1 else 1)}
 
 
 _NUMBERED = re.compile(r"^(.*?\.\d+)(\.|$)")

@@ -21,21 +21,12 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fxpar.cost.comm import KINDS, RING, ring
 from fxpar.ir.errors import PlanError
 
 __all__ = ["DEFAULT_PATH", "KINDS", "PROFILES", "DeviceProfile", "Link", "fit_alpha_beta", "fit_table", "load_profile", "profile_for_device",
            "profile_from_measurements"]
 
-# (steps of alpha, share of the full tensor's bytes each rank sends) per collective on n ranks, ring algorithms
-_RING = {
-    "all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
-    "all_gather": lambda n: (n - 1, (n - 1) / n),
-    "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
-    "all_to_all": lambda n: (n - 1, (n - 1) / n),
-    "broadcast": lambda n: (n - 1, (n - 1) / n),
-    "send": lambda n: (1, 1.0),
-}
-KINDS = tuple(_RING)
 # dtype spellings a caller may use -> the profile's keys
 _DTYPE_KEYS = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
                "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
@@ -51,8 +42,8 @@ class Link:
 def _ring_scaled(kind: str, alpha: float, beta: float, measured_n: int, n: int) -> tuple[float, float]:
     """(alpha, beta) measured on ``measured_n`` ranks carried to ``n`` ranks by the ring formula: alpha
     scales with the steps, beta with the share of the bytes each rank sends."""
-    s0, b0 = _RING[kind](measured_n)
-    s1, b1 = _RING[kind](n)
+    s0, b0 = ring(kind, measured_n)
+    s1, b1 = ring(kind, n)
     return alpha * s1 / s0, beta * b1 / b0
 
 
@@ -162,19 +153,18 @@ class DeviceProfile:
     def collective_time(self, kind: str, nbytes: int, group: int, inter_node: bool) -> float:
         """Seconds for ``kind`` over ``group`` ranks of a tensor of ``nbytes`` (the FULL tensor, as
         :mod:`fxpar.cost.comm` counts payloads; for ``send`` the bytes sent). Ring formulas on the link
-        (``inter`` when the group spans nodes): all-reduce ``2(n-1)`` steps of alpha and ``2(n-1)/n`` of
-        the bytes over the bandwidth, all-gather / reduce-scatter / all-to-all / broadcast ``n-1`` and
-        ``(n-1)/n``, send one step and all of the bytes. A measured table (``collectives``: one host,
+        (``inter`` when the group spans nodes), the steps of alpha and share of the bytes over the
+        bandwidth of :data:`fxpar.cost.comm.RING`. A measured table (``collectives``: one host,
         so inside a node) wins for intra-node groups."""
         if group <= 1 or nbytes <= 0:
             return 0.0
-        if kind not in _RING:
+        if kind not in RING:
             raise PlanError(f"fxpar.cost.profiles: unknown collective {kind!r}", fix=f"use one of {', '.join(KINDS)}")
         if not inter_node:
             fit = self.measured(kind, group)
             if fit is not None:
                 return fit[0] + fit[1] * nbytes
-        steps, share = _RING[kind](group)
+        steps, share = ring(kind, group)
         link = self.inter if inter_node else self.intra
         return steps * link.latency + share * nbytes / link.bandwidth
 
@@ -378,7 +368,7 @@ def profile_from_measurements(m: dict, *, name: str | None = None) -> DeviceProf
     if table.get("all_reduce"):
         n = max(table["all_reduce"])
         alpha, beta = table["all_reduce"][n]
-        steps, share = _RING["all_reduce"](n)
+        steps, share = ring("all_reduce", n)
         intra = Link(share / max(beta, 1e-15), alpha / steps)
     else:
         intra = (base or cpu_default()).intra

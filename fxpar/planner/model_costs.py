@@ -28,6 +28,7 @@ import torch.fx
 from fxpar.cost.comm import payloads
 from fxpar.cost.partition import crossing_bytes, top_nodes
 from fxpar.cost.predict import RECOMPUTE, _layer, backward_grads, kept_outputs
+from fxpar.cost.roofline import work_time
 from fxpar.cost.saved import MATMUL_LIKE, SavedTensors
 from fxpar.frontend.hf import longest_module_list
 from fxpar.ir import meta
@@ -71,20 +72,16 @@ class RankPart:
 
     def time(self, profile, batch: int, dtype: str) -> tuple[float, float]:
         """(forward, backward) seconds for a microbatch of ``batch`` sequences on ``profile``: each node's
-        roofline time (activation bytes scale with the batch, weight bytes do not) plus one op's overhead
-        forward, two backward where a gradient flows. Cached per profile, batch and dtype."""
+        :func:`fxpar.cost.roofline.work_time` (activation bytes scale with the batch, weight bytes do not).
+        Cached per profile, batch and dtype."""
         key = (id(profile), batch, dtype)
         hit = self._times.get(key)
         if hit is not None and hit[0] is profile:
             return hit[1]
         fwd = bwd = 0.0
         for f, b, act, weight, *out in self.nodes:
-            moved = act * batch + weight
-            mm = f * batch >= moved  # a matrix product or attention; below one FLOP per byte: elementwise
-            fresh = profile.fresh_time(out[0] * batch) if out else 0.0  # its output, newly allocated
-            fwd += profile.compute_time(f * batch, moved, dtype, ops=1, matmul=mm) + fresh
-            if b:  # the gradients it makes are as new (about its output's size)
-                bwd += profile.compute_time(b * batch, 2 * moved, dtype, ops=2, matmul=mm) + fresh
+            tf, tb = work_time(profile, f * batch, b * batch, act * batch + weight, out[0] * batch if out else 0.0, dtype)
+            fwd, bwd = fwd + tf, bwd + tb
         self._times[key] = (profile, (fwd, bwd))
         return fwd, bwd
 

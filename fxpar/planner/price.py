@@ -4,16 +4,16 @@ model's per-part costs (:class:`~fxpar.planner.model_costs.ModelCosts`) and a de
 It follows what fxpar builds and runs: stages are balanced contiguous groups of the model's parts (pre,
 layers, post; as fxpar's cost-balanced cuts), each rank's TP collectives block its compute (unless
 collective matmul hides them behind the chunks), the pipeline schedule's critical path comes from
-:mod:`fxpar.planner.schedule_dag`, the data-parallel engine (``runtime/data_parallel.py``) all-reduces
+:mod:`fxpar.cost.schedule`, the data-parallel engine (``runtime/data_parallel.py``) all-reduces
 fp32 gradient buckets as they fill during the last microbatch's backward (ZeRO-1/2 then all-gather the
 updated fp32 shards), ZeRO-3 (``runtime/zero3.py``) gathers every layer's bucket in each microbatch's
 forward and again in its backward and reduce-scatters its gradient, one bucket ahead of use; HSDP's shard
-and replica groups are priced each on its own link (:mod:`fxpar.planner.dp_groups`). Memory is
-fp32 master state by ZeRO stage (:func:`fxpar.cost.predict.memory_per_rank`, AdamW: 2 states), the
+and replica groups are priced each on its own link (:mod:`fxpar.cost.data_parallel`). Memory is
+fp32 master state by ZeRO stage (:func:`fxpar.cost.memory.state_bytes`, AdamW: 2 states), the
 activations of the microbatches the schedule keeps in flight (plus the backward's transient: recomputed
 forward and the gradients alive at once, largest at the loss; and the program's outputs, kept to the
 step's end), and buffers. ``memory["total"]`` is the rank's peak, which is less than the sum of the
-parts: the gradients a step makes and its activations do not peak together (see :func:`fxpar.planner.memory.per_rank`).
+parts: the gradients a step makes and its activations do not peak together (see :func:`fxpar.cost.memory.per_rank`).
 
 :class:`Pricer` caches everything that does not depend on the whole plan (part times per tp, sequence
 parallelism, microbatch size and recompute; stage cuts; the schedule's DAG), so a search prices tens of
@@ -25,12 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from fxpar.cost.comm import sent_bytes as _sent
+from fxpar.cost.data_parallel import DpGroups, sent_bytes
+from fxpar.cost.memory import activation_peaks, per_rank
+from fxpar.cost.roofline import is_matmul, roofline, work_time
+from fxpar.cost.schedule import EXACT_LIMIT, critical_path, n_actions
 from fxpar.ir import schedule as sched
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
-from fxpar.planner.dp_groups import DpGroups, sent_bytes
-from fxpar.planner.memory import activation_peaks, per_rank
-from fxpar.planner.schedule_dag import critical_path
 
 __all__ = ["Estimate", "Pricer", "price_plan"]
 
@@ -103,8 +105,8 @@ class Pricer:
         cheap = 0.0
         if recompute == "selective" and name not in ("pre", "post"):
             for f, _, act, weight, *_ in part.nodes:
-                if f * b < act * b + weight:  # not a matrix product: recomputed (as RankPart.time tells them)
-                    cheap += p.compute_time(f * b, act * b + weight, dtype, ops=1, matmul=False)
+                if not is_matmul(f * b, act * b + weight):  # not a matrix product: recomputed
+                    cheap += work_time(p, f * b, 0.0, act * b + weight, 0.0, dtype)[0]
         extra = fwd if recompute == "layer" and name not in ("pre", "post") else cheap
         inter = _spans_nodes(world, p.ranks_per_node, 1, tp)
         tf = sum(p.collective_time(k, n * b, tp, inter) for k, n, d in part.comm if d == "fwd")
@@ -203,7 +205,7 @@ class Pricer:
         b = self.batch // (dp * m)
         sp, rc = plan.sequence_parallel, plan.recompute
         n_stages = pp * v
-        # HSDP: the shard group and the replica group, each on the link its ranks need (fxpar.planner.dp_groups)
+        # HSDP: the shard group and the replica group, each on the link its ranks need (fxpar.cost.data_parallel)
         groups = DpGroups.of(plan, lambda stride, size: _spans_nodes(world, p.ranks_per_node, stride, size))
         gbytes = 1 if plan.comm_dtype else (2 if plan.mixed_precision == "bf16" else 4)
         dtype = "bf16" if plan.mixed_precision == "bf16" else c.dtype  # autocast computes in bf16
@@ -299,17 +301,15 @@ def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbyte
 
 def _roofline(self: Pricer, name: str, tp: int, sp: bool, b: int) -> float:
     """Forward + backward seconds of a part by the roofline alone, no per-op overhead: the weights
-    ``fxpar.compile`` balances its cuts by (``profile.device_model()``'s ``node_time``), so that the
-    planner's stages hold the parameters and activations the built ones do."""
+    ``fxpar.compile`` balances its cuts by (:func:`fxpar.cost.roofline.roofline`, as its ``node_time``), so
+    that the planner's stages hold the parameters and activations the built ones do."""
     key = ("roofline", name, tp, sp, b)
     got = self._kinds.get(key)
     if got is None:
-        p = self.profile
-        peak = p.matmul_flops(self.costs.dtype)
+        p, dtype = self.profile, self.costs.dtype
         got = 0.0
         for f, bw, act, weight, *_ in self.costs.part(name, tp, sp).nodes:
-            x = act * b + weight
-            got += max(f * b / peak, x / p.mem_bw) + (max(bw * b / peak, 2 * x / p.mem_bw) if bw else 0.0)
+            got += sum(roofline(p, f * b, bw * b, act * b + weight, dtype))
         self._kinds[key] = got
     return got
 
@@ -321,15 +321,7 @@ def _owned(name: str, pp: int, n_stages: int) -> list[list[int]]:
 
 
 def sched_exact(name: str, pp: int, m: int, v: int) -> bool:
-    from fxpar.planner.schedule_dag import EXACT_LIMIT, n_actions
-
     return n_actions(name, pp, m, v) <= EXACT_LIMIT
-
-
-def _sent(kind: str, nbytes: float, n: int) -> float:
-    if n <= 1:
-        return 0.0
-    return nbytes * {"all_reduce": 2 * (n - 1) / n, "send": 1.0}.get(kind, (n - 1) / n)
 
 
 def _greedy(w: list[float], limit: float, most: int) -> list[tuple[int, int]]:

@@ -139,7 +139,7 @@ def test_the_optimizer_step_peaks_with_its_temporaries():
     """torch's per-tensor AdamW (the CPU's) makes two temporaries of the tensor it steps; its multi-tensor
     path (CUDA's) one of everything it steps. ZeRO-1/2 step flat shards of their gradient buckets, ZeRO-3
     of its layer buckets; each sharded over dp."""
-    from fxpar.planner.memory import BUCKET, optimizer_transient
+    from fxpar.cost.memory import BUCKET, optimizer_transient
 
     cpu, gpu = profile(optimizer_per_tensor=True), profile()
     assert optimizer_transient(gpu, 0, 1000, 10, 1) == 4000 and optimizer_transient(gpu, 3, 1000, 10, 4) == 1000

@@ -7,8 +7,8 @@ import networkx as nx
 import pytest
 
 from fxpar.cost.predict import peak_activations
+from fxpar.cost.schedule import closed_form, critical_path, peak_activation, schedule_dag
 from fxpar.ir.schedule import SCHEDULES, build_schedule, simulate, stage_to_rank, stages_per_rank
-from fxpar.planner.schedule_dag import closed_form, critical_path, peak_activation, schedule_dag
 
 CASES = [(2, 4), (4, 8), (4, 6), (3, 9)]
 

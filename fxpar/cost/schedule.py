@@ -1,4 +1,5 @@
-"""A pipeline schedule's step time as the critical path of its action DAG, for the planner.
+"""The one makespan: a pipeline schedule's step time as the critical path of its action DAG (the
+planner's Estimate reads it; :func:`fxpar.ir.schedule.simulate` checks a schedule for deadlocks).
 
 The DAG of :func:`fxpar.ir.schedule.build_schedule`'s actions (nodes: F/B/I/W of a stage and microbatch;
 edges: the data dependencies and each rank's own order) is built once per ``(schedule, pp, m, v)`` with

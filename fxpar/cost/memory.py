@@ -1,4 +1,6 @@
-"""The moments of a pipeline schedule at which a rank's memory can peak, and the peaks they give.
+"""What a rank holds: the one ZeRO / DP memory model (:func:`state_bytes`, read by ``compiled.memory()``
+and the planner alike), and the moments of a pipeline schedule at which a rank's memory can peak, and the
+peaks they give.
 
 A rank's activation memory at a moment is what its live microbatches keep for backward, plus the
 transient of a backward running then (recomputed forward, gradients alive at once), plus the program's
@@ -14,16 +16,35 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from fxpar.cost.predict import memory_per_rank as state_bytes
+from fxpar.cost.data_parallel import DpGroups, engine_times
+from fxpar.cost.schedule import peak_activation, schedule_dag
 from fxpar.ir.plan import Plan
-from fxpar.planner.dp_groups import DpGroups, engine_times
-from fxpar.planner.schedule_dag import peak_activation, schedule_dag
 
-__all__ = ["ADAM_BYTES", "ADAM_STATES", "BUCKET", "activation_peaks", "moments", "optimizer_transient", "per_rank"]
+__all__ = ["ADAM_BYTES", "ADAM_STATES", "BUCKET", "activation_peaks", "moments", "optimizer_transient", "per_rank",
+           "state_bytes", "step_grads"]
 
 ADAM_STATES = 2
 ADAM_BYTES = 28  # AdamW per fp32 entry: reads param, grad, 2 states; writes param, 2 states
 BUCKET = 25 * 2**20  # the data-parallel engine's gradient bucket
+
+
+def state_bytes(numel: int, zero: int, dp: int, states: int, dp_replicate: int = 1) -> dict[str, int]:
+    """Bytes one rank holds between steps for ``numel`` trainable fp32 parameter entries of its stages:
+    ZeRO-1/2 add an fp32 master shard; ZeRO-2 keeps gradient shards only (plus full gradients of the
+    step in flight: :func:`step_grads`); ZeRO-3 keeps shards of everything (``runtime/zero3.py``: after
+    compile only its shards); ``states`` optimizer states per entry.
+    ``dp_replicate`` (HSDP): the shards are over ``dp / dp_replicate`` ranks, each held by that many replicas."""
+    n, dp = numel, dp // dp_replicate
+    return {"params": 4 * n // dp if zero == 3 else 4 * n + (4 * n // dp if zero in (1, 2) else 0),
+            "grads": 4 * n // dp if zero >= 2 else 4 * n + (4 * n // dp if zero == 1 else 0),
+            "optimizer": 4 * states * n // (dp if zero >= 1 else 1)}
+
+
+def step_grads(numel: int, zero: int, microbatches: int) -> int:
+    """Gradient bytes a rank holds during a step beyond :func:`state_bytes`'s: ZeRO-2 with several
+    microbatches accumulates its ``numel`` entries' gradients whole over them (``runtime/data_parallel.py``
+    reduce-scatters them once, after the last)."""
+    return 4 * numel if zero == 2 and microbatches > 1 else 0
 
 
 def activation_peaks(name: str, pp: int, m: int, v: int, mine, kept, trans, kout, params, exact: bool) -> list[tuple]:
@@ -87,7 +108,7 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
     fullest rank's memory ``(peak, states, activations, buffers)``.
 
     ``acts[r]``: the rank's peak of activations without and with the gradients its backward makes
-    (:func:`fxpar.planner.memory.activation_peaks`). The step drops the parameters' gradients when it begins
+    (:func:`activation_peaks`). The step drops the parameters' gradients when it begins
     (``runtime/model.py``), so without data parallelism they are not there at the activations' peak;
     the data-parallel engine keeps its flat buckets (the gradients between steps are views of them:
     ``runtime/data_parallel.py``) and autograd's fresh gradients are copied into them as backward makes
@@ -106,8 +127,7 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
         if got is None:
             red, last, gather = engine_times(p, plan.zero, n, groups, BUCKET) if dp > 1 else (0.0, 0.0, 0.0)
             mem = state_bytes(n, plan.zero, dp, ADAM_STATES, plan.dp_replicate)
-            if plan.zero == 2 and m > 1:  # gradients accumulate whole over the microbatches
-                mem["grads"] += 4 * n
+            mem["grads"] += step_grads(n, plan.zero, m)
             opt = p.optimizer_time(n // groups.shard if plan.zero else n, ADAM_BYTES)
             got = per_n[n] = (red, last, gather, mem, sum(mem.values()), opt)
         red, last, gather, mem, held, opt = got
