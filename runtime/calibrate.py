@@ -36,6 +36,10 @@ import torch
 import torch.distributed as dist
 
 from fxpar.ir.errors import FxparError
+from fxpar.runtime.calibrate_runtime import collective_op as _collective_op
+from fxpar.runtime.calibrate_runtime import comm_share as _comm_share
+from fxpar.runtime.calibrate_runtime import lm_step as _lm_step
+from fxpar.runtime.calibrate_runtime import runtime_measurements
 from fxpar.runtime.calibrate_step import (
     fast,
     measure_elementwise,
@@ -53,8 +57,6 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20, 16 << 20)
 QUICK_SIZES = (4 << 10, 256 << 10, 4 << 20)
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def measure_matmul(device="cpu", dtypes=None, sizes=(256, 512, 1024), seconds: float = 0.15) -> dict:
@@ -140,28 +142,6 @@ def _time_collective(op, pg, device, budget: float) -> float:
     return el.item()
 
 
-def _collective_op(kind: str, nbytes: int, pg, n: int, me: int, device, gloo: bool):
-    """A callable running ``kind`` once on ``nbytes`` of payload (the convention above), on group rank ``me``."""
-    numel = max(n, nbytes // 4 // n * n)
-    full = torch.ones(numel, device=device)
-    if kind == "all_reduce":
-        return lambda: dist.all_reduce(full, group=pg)
-    if kind == "all_gather":
-        part = torch.ones(numel // n, device=device)
-        return lambda: _all_gather(full, part, group=pg)
-    if kind == "reduce_scatter":
-        part = torch.empty(numel // n, device=device)
-        if gloo:  # fxpar's gloo kernel (fxpar.runtime.collectives): all-reduce the whole, keep a slice
-            return lambda: (dist.all_reduce(full, group=pg), part.copy_(full[me * part.numel():(me + 1) * part.numel()]))
-        return lambda: _reduce_scatter(part, full, group=pg)
-    if kind == "all_to_all":
-        out = torch.empty_like(full)
-        return lambda: dist.all_to_all_single(out, full, group=pg)
-    if kind == "broadcast":
-        return lambda: dist.broadcast(full, dist.get_global_rank(pg, 0) if pg is not None else 0, group=pg)
-    raise FxparError(f"fxpar.runtime.calibrate: unknown collective {kind!r}")
-
-
 def _ping_pong(nbytes: int, device):
     """Rank 0 sends ``nbytes`` to rank 1 and gets them back; half of it is one send."""
     buf = torch.ones(max(1, nbytes // 4), device=device)
@@ -169,27 +149,6 @@ def _ping_pong(nbytes: int, device):
     if rank == 0:
         return lambda: (dist.send(buf, 1), dist.recv(buf, 1))
     return lambda: (dist.recv(buf, 0), dist.send(buf, 0))
-
-
-def _lm_step(seed: int = 0):
-    """One training step of a tiny language model written in torch ops (1024 tokens, width 256, 8 heads,
-    a SwiGLU-sized MLP, a 4096-word head, log-softmax, backward): the mix of matmuls, attention,
-    elementwise ops and fresh allocations a rank runs, small enough to repeat many times a second."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1024, 256, generator=g)
-    w = [torch.randn(*s, generator=g, requires_grad=True) for s in ((256, 768), (256, 256), (256, 688),
-                                                                    (688, 256), (256, 4096))]
-
-    def step():
-        q, k, v = (x @ w[0]).view(8, 128, 3, 4, 64).unbind(2)
-        a = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                             v.transpose(1, 2), is_causal=True)
-        h = x + a.transpose(1, 2).reshape(1024, 256) @ w[1]
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-        h = h + torch.nn.functional.silu(h @ w[2]) @ w[3]
-        (h @ w[4]).log_softmax(-1).mean().backward()
-
-    return step
 
 
 def _compute_share(counts, seconds: float, device, windows: int = 3) -> dict:
@@ -237,6 +196,7 @@ def rank_measurements(groups=(2, 4, 8), sizes=SIZES, kinds=KINDS, *, budget: flo
     if device.type == "cpu" and share_counts:
         rates = _compute_share(share_counts, share_seconds, device)
         out["compute_share"] = {k: r / rates[1] for k, r in rates.items()}
+        out["comm_share"] = _comm_share(share_counts, seconds=share_seconds / 4) if world > 2 else {}
     for n in (g for g in groups if 2 <= g <= world):
         pg = dist.new_group(list(range(n)))
         for kind in kinds:
@@ -268,7 +228,8 @@ def _worker(rank: int, world: int, store: str, result: str, kwargs: dict) -> Non
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        got = rank_measurements(**kwargs)
+        kwargs = dict(kwargs)
+        got = kwargs.pop("fn", rank_measurements)(**kwargs)
         if rank == 0:
             with open(result, "w") as f:
                 json.dump(got, f)
@@ -297,11 +258,13 @@ def _forked(world: int, kwargs: dict, timeout: float) -> dict:
             return json.load(f)
 
 
-def calibrate(world: int = 8, *, quick: bool = False, device=None, timeout: float = 600.0) -> dict:
+def calibrate(world: int = 8, *, quick: bool = False, device=None, timeout: float = 600.0, runtime=None) -> dict:
     """Measure this machine: matmul, memory bandwidth and op overhead on ``device`` (default: this rank's
     CUDA device under NCCL, else the CPU), compute share and collectives on ``world`` ranks (forked gloo
     ranks, or the process group torchrun made: then every rank calls and rank 0 gets the dict). ``quick``:
-    fewer sizes, group sizes 2 only and shorter loops (a test's seconds)."""
+    fewer sizes, group sizes 2 only and shorter loops (a test's seconds). ``runtime``: what measures fxpar's own
+    costs on 2 ranks (default :func:`~fxpar.runtime.calibrate_runtime.runtime_measurements` without the pipeline,
+    which needs ``fxpar.compile``: ``fxpar calibrate`` passes one with it), into ``"runtime"``."""
     t_start = time.perf_counter()
     kw = {"groups": (2,) if quick else (2, 4, 8), "sizes": QUICK_SIZES if quick else SIZES,
           "budget": 0.03 if quick else 0.08, "share_counts": (1, 2) if quick else (1, 2, 4, 8),
@@ -313,9 +276,14 @@ def calibrate(world: int = 8, *, quick: bool = False, device=None, timeout: floa
         comm = rank_measurements(**kw)
         if device is None and backend != "gloo":
             device = torch.device("cuda", torch.cuda.current_device())
+        comm["runtime"] = (runtime or runtime_measurements)(quick=quick)
     else:
         backend = "gloo"
         comm = _forked(world, kw, timeout) if world > 1 else {"compute_share": {}, "times": {}, "concurrent": {}}
+        # fxpar's own costs on 2 ranks of their own (a pipeline of 2 stages needs a world of 2)
+        comm["runtime"] = _forked(2, {"fn": runtime or runtime_measurements, "quick": quick}, timeout) \
+            if world > 1 else {}
+    comm["runtime"]["comm_share"] = comm.pop("comm_share", {})
     device = torch.device(device or "cpu")
     if in_group and dist.get_rank() != 0:
         dist.barrier()

@@ -8,6 +8,7 @@ fxpar calibrate``) the ranks torchrun started measure, over NCCL on CUDA, and ra
 
 from __future__ import annotations
 
+import functools
 import os
 
 from fxpar.cost.profiles import DEFAULT_PATH, fit_alpha_beta, profile_from_measurements
@@ -73,7 +74,9 @@ def _table(m: dict, profile) -> str:
 def cmd_calibrate(args) -> int:
     import torch
 
+    from fxpar.cli.calibrate_pipeline import pipeline_actions
     from fxpar.runtime.calibrate import calibrate
+    from fxpar.runtime.calibrate_runtime import runtime_measurements
 
     torch.set_num_threads(1)  # a rank computes on one core (the forked ranks do the same)
     rank = 0
@@ -81,7 +84,8 @@ def cmd_calibrate(args) -> int:
         dist = _init_torchrun()
         rank = dist.get_rank()
     try:
-        m = calibrate(args.world, quick=args.quick, timeout=args.timeout)
+        m = calibrate(args.world, quick=args.quick, timeout=args.timeout,
+                      runtime=functools.partial(runtime_measurements, pipeline=pipeline_actions))
     finally:
         if _under_torchrun():
             dist.destroy_process_group()

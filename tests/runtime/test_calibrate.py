@@ -64,6 +64,12 @@ def test_quick_calibration_writes_a_usable_profile(tmp_path, pool2):
     # what a training step pays besides matmuls: elementwise ops, the optimizer, first touch of big outputs
     assert p.elementwise_rate > 0 and p.optimizer_entry_time > 0 and not p.comm_overlaps
     assert p.fresh_threshold == 0 or (p.fresh_bw > 0 and p.fresh_time(p.fresh_threshold) > 0)
+    # fxpar's own costs on its runtime's code paths (fxpar.runtime.calibrate_runtime): every kind of its
+    # collective ops, the DP engine's buckets and ZeRO-3's gathers, the optimizer's fixed costs (--quick: no pipeline)
+    assert set(p.collective_call) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(a >= 0 and b >= 0 for a, b in p.collective_call.values())
+    assert p.bucket_copy[1] > 0 and p.gather_copy != (0.0, 0.0) and p.optimizer_tensor[0] > 0
+    assert p.pipeline_action == {} and p.comm_share == {}  # --quick on 2 ranks: neither
     predicted = p.collective_time("all_reduce", MB, 2, inter_node=False)
     measured = max(pool2.run(direct_all_reduce, MB, timeout=60))
     assert measured / 3 < predicted < 3 * measured, (predicted, measured)

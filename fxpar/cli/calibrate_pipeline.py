@@ -1,0 +1,50 @@
+"""``fxpar calibrate``'s measurement of the pipeline runtime's bookkeeping per action (it compiles a model, so it
+lives with the command, not in :mod:`fxpar.runtime`): run on both ranks of a world of 2."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "interleaved_zb")
+
+
+def pipeline_actions(*, quick: bool = False, schedules=SCHEDULES) -> dict:
+    """{schedule: s per action} of the pipeline runtime: a tiny Llama (4 layers of 32, 1 x 8 tokens per microbatch:
+    negligible compute) compiled with pp=2 at 2 and 8 microbatches; the step's growth per action of the rank, less
+    the growth of the model's single-process forward and backward (half of it per rank and microbatch) and of one
+    send and one receive per microbatch (a ping-pong measured here). The largest of the two ranks."""
+    import fxpar
+    from fxpar import zoo
+    from fxpar.ir.schedule import build_schedule
+    from fxpar.runtime.calibrate_step import fast, rate_loop
+
+    cpu, seconds = torch.device("cpu"), 0.1 if quick else 0.3
+    small = dict(hidden_size=32, num_hidden_layers=4, intermediate_size=64)
+    cfg = zoo.tiny_config("llama", **small)
+    model = zoo.build("llama", seed=0, **small)
+    mb = zoo.example_inputs("llama", cfg, batch=1, seq=8)
+    program = fxpar.trace(model, example_kwargs=mb)
+    fb = fast(rate_loop(lambda: model(**mb).loss.backward(), cpu, seconds))
+    buf, me = torch.ones(256), dist.get_rank()
+    ping = fast(rate_loop(lambda: (dist.send(buf, 1), dist.recv(buf, 1)) if me == 0 else
+                          (dist.recv(buf, 0), dist.send(buf, 0)), cpu, seconds)) / 2
+    out = {}
+    for schedule in schedules[:2] if quick else schedules:
+        v = 2 if schedule in ("interleaved_1f1b", "zbv", "interleaved_zb") else 1
+        step_s, actions = {}, {}
+        for m in (2, 8):
+            batch = zoo.example_inputs("llama", cfg, batch=m, seq=8)
+            plan = fxpar.Plan(pp=2, microbatches=m, schedule=schedule, virtual_stages=v if v > 1 else None)
+            c = fxpar.compile(model, plan, example_kwargs=batch, program=program,
+                              optimizer=functools.partial(torch.optim.SGD, lr=0.0))
+            step_s[m] = fast(rate_loop(functools.partial(c.step, **batch), cpu, seconds))
+            actions[m] = len(build_schedule(schedule, 2, m, 2 * v)[me])
+            del c
+        compute = 6 * (fb / 2 + 2 * ping)  # 6 more microbatches: their compute and sends on this rank
+        t = torch.tensor([max(0.0, (step_s[8] - step_s[2] - compute) / (actions[8] - actions[2]))], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[schedule] = t.item()
+    return out
