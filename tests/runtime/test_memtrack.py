@@ -1,6 +1,8 @@
 """``PeakMemory``: the peak of live tensor storage bytes in a region, checked against bytes counted by hand
 from the shapes of a small forward and backward (what autograd keeps, what each op makes, what is freed);
-views counted once, storages freed inside the region released, the baseline and exclusions honoured."""
+views counted once, storages freed inside the region released, the baseline and exclusions honoured.
+``AllocatorPeak`` and ``RssPeak``: a step's peak as it runs unwatched, by hand count and by RSS, where a
+dispatch mode (PeakMemory's, or a no-op one) makes the step allocate more."""
 
 from __future__ import annotations
 
