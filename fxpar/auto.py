@@ -142,6 +142,34 @@ def autoplan(model: torch.nn.Module, world_size: int, *, device: str | DevicePro
     return chosen
 
 
+def price(model: torch.nn.Module, plan: Plan | str, *, world: int | None = None,
+          device: str | DeviceProfile | torch.device | None = None, global_batch: int, seq: int,
+          dtype: str | None = None, memory_per_rank: int | str | None = None, frontend: str = "auto", costs=None):
+    """The price of one plan: the :class:`~fxpar.cost.estimate.Estimate` the planner ranks (step time by
+    part, memory by part, bytes by axis, bubble, MFU, whether it fits) for ``global_batch`` sequences of
+    ``seq`` tokens on ``world`` ranks (None: the plan's degrees) of ``device`` (as :func:`autoplan`'s).
+    ``dtype``: "fp32" or "bf16" (None: the model's). ``costs``: a
+    :class:`~fxpar.planner.model_costs.ModelCosts` already read for this ``seq`` (skips the trace).
+    Pure: no process group; what ``fxpar plan --plan`` prints and ``compiled.predicted`` holds."""
+    from fxpar.cost.estimate import Pricer
+    from fxpar.planner.model_costs import model_costs
+
+    plan = Plan.parse(plan) if isinstance(plan, str) else plan
+    if world is not None and world != plan.world_size:
+        raise PlanError(f"fxpar.price: world={world} but the plan's degrees make {plan.world_size} ranks",
+                        fix=f"pass world={plan.world_size}, or a plan whose degrees multiply to {world}")
+    if global_batch < 1 or seq < 1:
+        raise PlanError(f"fxpar.price: global_batch={global_batch}, seq={seq}; both must be >= 1")
+    profile, _ = device_profile(device)
+    if costs is None:
+        costs = model_costs(model, seq, tp_degrees=(plan.tp,), sequence_parallel=(plan.sequence_parallel,),
+                            dtype=dtype, frontend=frontend)
+    elif costs.seq != seq:
+        raise PlanError(f"fxpar.price: the costs given were computed for seq={costs.seq}, not seq={seq}")
+    return Pricer(costs, profile, global_batch=global_batch,
+                  memory_per_rank=parse_memory(memory_per_rank)).price(plan)
+
+
 def explain(auto) -> str:
     """Why ``auto`` (an :class:`~fxpar.planner.search.AutoPlan`) chose its plan, in a few lines: the plan, the
     device its times are for and why, its predicted step time and memory per rank against the runner-up's

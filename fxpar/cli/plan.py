@@ -9,6 +9,7 @@ the same :func:`fxpar.autoplan`, so both choose the same plan for the same input
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -43,8 +44,10 @@ def cmd_plan(args) -> int:
     for w in caught:
         print(f"fxpar: warning: {w.message}", file=sys.stderr)
     report = fxpar.inspect(priced, quiet=True)
+    estimate = _estimate(model, plan, profile, args)
     if getattr(args, "json", False):
         data = report.to_dict()
+        data["estimate"] = dataclasses.asdict(estimate) if not isinstance(estimate, str) else {"error": estimate}
         data["passes"] = [[name, secs] for name, secs in priced.result.timings]
         if plan.ep > 1:
             data["ep_load"] = priced.ep.stats
@@ -69,7 +72,23 @@ def cmd_plan(args) -> int:
         print(f"expert parallelism ep={plan.ep}: the example batch's load per MoE layer\n"
               + format_load(priced.ep.stats))
     print("passes: " + ", ".join(f"{name} {1e3 * secs:.0f} ms" for name, secs in priced.result.timings))
+    from fxpar.planner.search import estimate_text
+
+    print(estimate if isinstance(estimate, str) else estimate_text(estimate))
     return 0
+
+
+def _estimate(model, plan, profile, args):
+    """The plan's :func:`fxpar.price` (the Estimate ``--auto`` ranks plans by) for ``--global-batch`` (else
+    ``--batch``) sequences of ``--seq`` tokens on the profile, or why there is none, in words."""
+    import fxpar
+
+    batch = args.global_batch if getattr(args, "global_batch", None) is not None else args.batch
+    dtype = "bf16" if plan.mixed_precision == "bf16" else getattr(args, "dtype", None)
+    try:
+        return fxpar.price(model, plan, device=profile, global_batch=batch, seq=args.seq, dtype=dtype)
+    except fxpar.PlanError as e:
+        return f"estimate: none ({e})"
 
 
 def cmd_auto(args) -> int:

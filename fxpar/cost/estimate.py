@@ -1,5 +1,6 @@
-"""The price of a plan: predicted step time, its parts, memory per rank, communication and MFU, from a
-model's per-part costs (:class:`~fxpar.planner.model_costs.ModelCosts`) and a device profile.
+"""The price of a plan, the one :class:`Estimate` (``fxpar.price``, the planner's ranking, ``fxpar plan``):
+predicted step time, its parts, memory per rank, communication and MFU, from a model's per-part costs
+(:class:`~fxpar.planner.model_costs.ModelCosts`, read off one trace) and a device profile.
 
 It follows what fxpar builds and runs: stages are balanced contiguous groups of the model's parts (pre,
 layers, post; as fxpar's cost-balanced cuts), each rank's TP collectives block its compute (unless
@@ -248,6 +249,8 @@ class Pricer:
         # data parallel: buckets reduce as they fill in the last microbatch's backward
         dp_exposed, opt_time, worst = per_rank(p, plan, m, mine, params, B, acts, st["big"], groups, gbytes,
                                                 st["bigt"])
+        # ---- the step's parts are summed here: a "runtime" part (fxpar's own overheads around the ops, priced
+        # by fxpar.cost.overheads) joins `step` and `parts` at this point
         step = makespan + dp_exposed + opt_time
         pp_comm = min(max(0.0, makespan - busy[r0]), 2 * (n_stages - 1) * comm)
         idle = max(0.0, makespan - busy[r0] - pp_comm)

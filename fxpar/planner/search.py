@@ -16,15 +16,28 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
+from fxpar.cost.estimate import Estimate, Pricer, gb
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
 from fxpar.planner.dp_groups import replica_options
-from fxpar.planner.price import Estimate, Pricer, gb
 from fxpar.planner.space import divisors, factorisations, microbatch_options, schedule_variants
 
 __all__ = ["AutoPlan", "baseline_plan", "describe", "search"]
 
 KEEP_M = 3  # microbatch counts per (dp, pp, tp) kept for the second pass
+
+
+def estimate_text(e: Estimate) -> str:
+    """One :class:`Estimate` in a few lines, as ``fxpar plan --plan`` prints it: step time by part, memory
+    by part, bytes sent by axis, bubble and MFU (the numbers ``--auto`` ranks plans by)."""
+    ms = {k: f"{k} {1e3 * v:.3f}" for k, v in e.parts.items()}
+    return "\n".join([
+        f"estimate ({describe(e.plan)}): {1e3 * e.step_time:.3f} ms/step{'' if e.exact else ' (closed form)'} = "
+        + " + ".join(ms.values()) + " ms",
+        "  memory per rank: " + ", ".join(f"{k} {gb(v)}" for k, v in e.memory.items())
+        + ("" if e.fits else f" (does not fit: {e.why_not})"),
+        "  sent per rank and step: " + ", ".join(f"{k} {gb(v)}" for k, v in e.comm_bytes.items()),
+        f"  bubble {100 * e.bubble:.1f}%, MFU {100 * e.mfu:.1f}%, {e.tokens_per_s:.0f} tokens/s"])
 
 
 def describe(plan: Plan) -> str:

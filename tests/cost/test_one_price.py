@@ -1,0 +1,44 @@
+"""One price for one plan: ``fxpar.price`` gives, for every plan of ``fxpar.autoplan``'s table, the numbers the
+planner ranked it by (step time and its parts, memory by part, bytes by axis, bubble, MFU), on three zoo
+models. The first plan's price traces the model again (its own costs, as a caller's would); the others read
+the table's costs, to keep the test fast."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import fxpar
+from fxpar import zoo
+from fxpar.cost.estimate import Estimate
+from fxpar.ir.errors import PlanError
+from fxpar.planner.model_costs import model_costs
+
+CASES = [("llama", 4, "cpu"), ("mixtral", 2, "h100-80gb"), ("gpt2", 2, "cpu")]
+
+
+def _numbers(e: Estimate) -> dict:
+    return {"step": e.step_time, "parts": e.parts, "memory": e.memory, "bytes": e.comm_bytes, "bubble": e.bubble,
+            "mfu": e.mfu, "fits": e.fits}
+
+
+@pytest.mark.parametrize("name,world,device", CASES, ids=[c[0] for c in CASES])
+def test_price_equals_the_planners_estimate_for_every_plan_of_the_table(name, world, device):
+    model = zoo.build(name, seed=0)
+    costs = model_costs(model, 16, tp_degrees=(1, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        auto = fxpar.autoplan(model, world, device=device, global_batch=8, seq=16, top=2, costs=costs)
+    table = [e for e in auto.ranked if e.exact][:3]
+    assert len(table) >= 3, f"{name}: the auto table has {len(table)} exactly priced plans"
+    for i, e in enumerate(table):
+        got = fxpar.price(model, e.plan, world=world, device=device, global_batch=8, seq=16,
+                          costs=None if i == 0 else costs)
+        assert isinstance(got, Estimate) and got.plan == e.plan
+        assert _numbers(got) == _numbers(e), f"{name} {e.plan}"
+
+
+def test_price_refuses_a_world_the_plan_does_not_make():
+    with pytest.raises(PlanError, match="world=8 but the plan's degrees make 4"):
+        fxpar.price(zoo.build("llama"), "dp=2,tp=2", world=8, device="cpu", global_batch=8, seq=16)
