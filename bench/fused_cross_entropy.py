@@ -15,11 +15,15 @@ per rank, mean cross-entropy with a few labels ignored. A step is the loss and i
   ``identity_fwd_all_reduce_bwd`` so that dh is summed over the ranks, as the fused op does inside);
   ``F.cross_entropy`` for tp = 1.
 
-Peak memory: the storage tracker of ``bench/recompute.py`` (a ``TorchDispatchMode`` recording each
-storage an op creates and the op after which it is found freed), here also stepping inside the fused
-op, whose kernels it runs as plain functions so that their allocations are seen. The peak counts
-everything made during the step, dh and dW included (the next column leaves them out). Step time: the
-median of ``--steps`` steps without the tracker, the two paths interleaved.
+Peak memory, above what is alive when the step starts (h, W and the labels), dh and dW included: by the
+allocator (:class:`fxpar.runtime.memtrack.AllocatorPeak`, the torch profiler's memory events, which change
+nothing about how kernels allocate; the ``no grads`` column leaves dh and dW out from their making), and by
+the process's resident size (:class:`~fxpar.runtime.memtrack.RssPeak`, a second step) as a cross-check
+from above. For the record, a third step under the storage tracker of ``bench/recompute.py`` (a
+``TorchDispatchMode``, here also stepping inside the fused op): a dispatch mode turns some of torch's
+in-place backward formulas out of place, so its figure is higher than what the step allocates when
+nothing watches (the ``dispatch mode`` columns; the figures docs/benchmarks.md gave before 2026-11-27).
+Step time: the median of ``--steps`` steps without any of these, the two paths interleaved.
 """
 
 from __future__ import annotations
@@ -41,10 +45,13 @@ from _docs import replace_section  # noqa: E402
 from recompute import StorageTracker  # noqa: E402
 
 from fxpar.runtime.kernels import cross_entropy as ce  # noqa: E402
+from fxpar.runtime.memtrack import AllocatorPeak, RssPeak  # noqa: E402
 
 SECTION = "## Fused linear + cross-entropy"
-DATE = "2026-11-23"
+DATE = "2026-11-27"
 IGNORED = 64  # labels set to -100
+MB = 2**20
+BUSY = " (the machine was shared with other jobs: load above its core count)"
 
 
 class InsideTracker(StorageTracker):
@@ -84,6 +91,29 @@ def unfused_loss(h, w, y, start: int, group: str | None):
     return ((sumexp.log() - picked) * valid).sum() / valid.sum()
 
 
+def measure_memory(fn, h, w) -> dict:
+    """One step of ``fn`` (loss and backward) three times: under the allocator's watch, by RSS, under the
+    dispatch-mode tracker; bytes above what is alive when each starts."""
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with AllocatorPeak() as mem:  # no warm-up: the step frees nothing made before it
+        mem.mark()
+        loss = fn(hh, ww)
+        loss.backward()
+    out = {"peak": mem.peak - mem.start, "peak_no_grads": mem.peak_without([hh.grad, ww.grad]) - mem.start,
+           "loss": loss.item(), "dh": hh.grad, "dw": ww.grad, "times": []}
+    del loss
+    hh.grad = ww.grad = None
+    with RssPeak() as rss:
+        fn(hh, ww).backward()
+    out["rss"] = rss.peak
+    hh.grad = ww.grad = None
+    with InsideTracker() as tracker:
+        fn(hh, ww).backward()
+    grads = {StorageWeakRef(t.grad.untyped_storage()).cdata for t in (hh, ww)}
+    out.update(dispatch=tracker.peak(), dispatch_no_grads=tracker.peak(grads))
+    return out
+
+
 def bench_rank(tokens: int, vocab: int, hidden: int, steps: int) -> dict:
     import torch.distributed as dist
 
@@ -100,15 +130,7 @@ def bench_rank(tokens: int, vocab: int, hidden: int, steps: int) -> dict:
         "unfused": lambda hh, ww: unfused_loss(hh, ww, y, rank * shard, group),
         "fused": lambda hh, ww: ce.linear_cross_entropy(hh, ww, y, vocab_start=rank * shard, group=group),
     }
-    out = {}
-    for name, fn in paths.items():
-        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        with InsideTracker() as tracker:
-            loss = fn(hh, ww)
-            loss.backward()
-        grads = {StorageWeakRef(t.grad.untyped_storage()).cdata for t in (hh, ww)}
-        out[name] = {"peak": tracker.peak(), "peak_no_grads": tracker.peak(grads), "loss": loss.item(),
-                     "dh": hh.grad, "dw": ww.grad, "times": []}
+    out = {name: measure_memory(fn, h, w) for name, fn in paths.items()}
     for _ in range(steps):
         for name, fn in paths.items():
             hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -116,7 +138,8 @@ def bench_rank(tokens: int, vocab: int, hidden: int, steps: int) -> dict:
             fn(hh, ww).backward()
             out[name]["times"].append(time.perf_counter() - t0)
     f, u = out["fused"], out["unfused"]
-    return {"runs": {k: {x: v[x] for x in ("peak", "peak_no_grads", "loss", "times")} for k, v in out.items()},
+    keys = ("peak", "peak_no_grads", "rss", "dispatch", "dispatch_no_grads", "loss", "times")
+    return {"runs": {k: {x: v[x] for x in keys} for k, v in out.items()},
             "chunk": ce.chunk_tokens(tokens, hidden, shard),
             "diff": {"loss": abs(f["loss"] - u["loss"]), "dh": (f["dh"] - u["dh"]).abs().max().item(),
                      "dw": (f["dw"] - u["dw"]).abs().max().item()}}
@@ -133,6 +156,7 @@ def main() -> int:
     a = ap.parse_args()
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
+    started = time.strftime("%H:%M UTC", time.gmtime())
     rows, lines, failures = [], [], []
     for tp in [int(t) for t in a.tp.split(",")]:
         if tp == 1:
@@ -146,8 +170,10 @@ def main() -> int:
             u, f = r["runs"]["unfused"], r["runs"]["fused"]
             tu, tf = statistics.median(u["times"]), statistics.median(f["times"])
             ratio, d = f["peak"] / u["peak"], r["diff"]
-            rows.append(f"| {tp} | {rank} | {r['chunk']} | {u['peak'] / 2**20:.1f} | {f['peak'] / 2**20:.1f} | "
-                        f"{ratio:.3f} | {u['peak_no_grads'] / 2**20:.1f} | {f['peak_no_grads'] / 2**20:.1f} | "
+            rows.append(f"| {tp} | {rank} | {r['chunk']} | {u['peak'] / MB:.1f} | {f['peak'] / MB:.1f} | "
+                        f"{ratio:.3f} | {u['peak_no_grads'] / MB:.1f} | {f['peak_no_grads'] / MB:.1f} | "
+                        f"{u['rss'] / MB:.1f} | {f['rss'] / MB:.1f} | {f['rss'] / u['rss']:.3f} | "
+                        f"{u['dispatch'] / MB:.1f} | {f['dispatch'] / MB:.1f} | {f['dispatch'] / u['dispatch']:.3f} | "
                         f"{tu * 1e3:.0f} | {tf * 1e3:.0f} | {tf / tu:.2f} | {u['loss']:.6f} | "
                         f"{d['loss']:.1e} / {d['dh']:.1e} / {d['dw']:.1e} |")
             if rank == 0:
@@ -161,21 +187,28 @@ def main() -> int:
                                    ("steps", a.steps)))
     text = "\n".join([
         f"\n{SECTION}\n",
-        f"{DATE}, {platform.machine()} {os.cpu_count()} threads, torch {torch.__version__}; `{cmd}`.\n",
+        f"{DATE}, {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}; `{cmd}`.\n",
         f"Loss and backward (dh, dW) of a [{a.tokens}, {a.hidden}] hidden state through an output head of "
         f"vocabulary {a.vocab} split by rows over tp ranks (gloo, one torch thread each), fp32 on CPU, mean "
         f"cross-entropy with {IGNORED} labels ignored. Unfused: the whole [tokens, vocab/tp] logits, then "
         "fxpar's vocabulary-parallel loss (the TP loss rule's ops; `F.cross_entropy` at tp=1). Fused: "
         "`fxpar_kernels::linear_cross_entropy`, tokens in chunks (column `chunk`), 2 all-reduces per "
-        "forward and 1 (dh) per backward, logits recomputed chunk by chunk in backward. Peak: the most "
-        "bytes alive at once among the storages ops created during the step (`bench/recompute.py`'s "
-        "tracker, also run inside the fused op), dh and dW included; the `no grads` columns leave them out. "
-        f"Step time: median of {a.steps} steps, the paths interleaved. 1-minute load average {load:.1f} "
-        f"before, {os.getloadavg()[0]:.1f} after. Differences: fused against unfused, |loss| / max |dh| / "
-        "max |dW|.\n",
-        "| tp | rank | chunk | unfused peak MB | fused peak MB | fused / unfused | unfused no grads MB | "
-        "fused no grads MB | unfused ms | fused ms | fused / unfused time | loss | differences |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "forward and 1 (dh) per backward, logits recomputed chunk by chunk in backward. Peak (MiB, above what "
+        "is alive when the step starts, dh and dW included): by the allocator (`fxpar.runtime.memtrack."
+        "AllocatorPeak`, the torch profiler's memory events, which perturb nothing; the `no grads` columns "
+        "leave dh and dW out), the figure to read; by RSS (`RssPeak`: peak resident size above the step's "
+        "start, C heap trimmed first, everything the process touches), a cross-check from above; and under "
+        "a dispatch mode (`bench/recompute.py`'s storage tracker, also run inside the fused op; the method "
+        "of this section's figures before 2026-11-27): a dispatch mode turns some in-place backward formulas "
+        "out of place, so the unfused path's figure is a logits-sized tensor too high. Each is one more step "
+        f"of its own. Step time: median of {a.steps} steps, the paths interleaved. 1-minute load average "
+        f"{load:.1f} at {started}, {os.getloadavg()[0]:.1f} after{BUSY if max(load, os.getloadavg()[0]) > (os.cpu_count() or 1) else ''}. "
+        "Differences: fused against unfused, |loss| / max |dh| / max |dW|.\n",
+        "| tp | rank | chunk | unfused peak MiB | fused peak MiB | fused / unfused | unfused no grads MiB | "
+        "fused no grads MiB | unfused RSS MiB | fused RSS MiB | RSS fused / unfused | unfused dispatch mode MiB | "
+        "fused dispatch mode MiB | dispatch mode fused / unfused | unfused ms | fused ms | "
+        "fused / unfused time | loss | differences |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         "The fused path runs four matmuls (the logits again in backward) where the unfused one runs three; "

@@ -127,11 +127,13 @@ class PeakMemory(TorchDispatchMode):
     path while any Python dispatch mode is active (a no-op one included: ``at::isTensorSubclassLike`` is
     true then), so some backward steps allocate a tensor they would otherwise reuse: a gather's backward
     makes its gradient buffer twice (``scatter_add`` for ``scatter_add_``), a vocabulary-parallel loss's
-    backward holds one more logits-sized tensor. Measured on
-    ``bench/fused_cross_entropy.py`` (tp=2, 4096 tokens, vocabulary 32768): the unfused path peaks at
-    784-799 MB by :class:`AllocatorPeak` and RSS, at 1,040-1,056 MB under this mode or a no-op one. Keep it
-    for what its exactness is for (which storages compile or loading keep, views and memory-mapped slices
-    counted once); measure a step's peak with :class:`AllocatorPeak`.
+    backward holds one more logits-sized tensor. Measured on ``bench/fused_cross_entropy.py`` (2026-11-27,
+    tp=2, 4096 tokens, vocabulary 32768): the unfused step rises 784.2 MiB by :class:`AllocatorPeak` (784.1
+    by RSS) and 1,040.1 MiB under a dispatch mode, one [4096, 16384] fp32 tensor more (the fused path, the
+    tp=1 path and fxpar's Llama steps at dp, ZeRO-3 and pp: the same by both); fxpar's tp=2 Llama step in
+    ``bench/planner_accuracy.py``, 4-5 MiB more of 126 MiB. Keep it for what its exactness is for (which
+    storages compile or loading keep, views and memory-mapped slices counted once); measure a step's peak
+    with :class:`AllocatorPeak`.
 
     Args:
         baseline: the tensors whose storages count from the start (None: every tensor alive on entry).
