@@ -17,18 +17,13 @@ Measured (each world size in one pool of gloo ranks, one thread each, every plan
 after the other): ``fxpar.compile`` of the model built on the **meta device** with ``weights="init"``, so a rank
 process holds only what the plan gives it (the user's model stays storage-free; no full copy to subtract).
 ``--warmup`` steps, then ``--steps`` steps each timed between barriers on rank 0: the step time is their median.
-Then two more steps under :class:`fxpar.runtime.memtrack.AllocatorPeak` on every rank (the torch profiler's
-memory events, which change nothing about how kernels allocate; the first step lets the profiler see the blocks
-the second frees): the **peak memory** of a rank is the tensor storage alive at the second step's start (this
-plan's parameters, gradients kept from the previous step, optimizer states, DDP buckets / ZeRO shards, the global
-batch, non-persistent buffers) plus the highest the allocator's running total rose above it during that step
-(activations kept for backward, gradients, collective and pipeline buffers, the optimizer's temporaries, scratch
-buffers inside kernels). Outside it: gloo's own buffers, the Python interpreter and libraries. The table gives
-the fullest rank's peak, as the prediction does. Plans matching ``CROSS_CHECK`` (a regex on ``model:plan``,
-``$FXPAR_MEMORY_CROSS_CHECK`` overrides it) are measured twice more, each rise above the step's start printed
-next to the allocator's: by RSS (:class:`~fxpar.runtime.memtrack.RssPeak`, from above: everything the process
-touches) and under :class:`~fxpar.runtime.memtrack.PeakMemory` (a dispatch mode, which makes some backward
-formulas allocate more: the method of this bench before 2026-11-27).
+Then ``bench/_peak.py``'s two more steps under :class:`fxpar.runtime.memtrack.AllocatorPeak` on every rank (the
+profiler's memory events, which perturb nothing): the **peak memory** of a rank is the tensor storage alive at the
+second step's start (parameters, gradients kept, optimizer states, DDP buckets / ZeRO shards, the batch) plus the
+most the allocator's running total rose above it during that step (activations, gradients, collective and
+pipeline buffers, the optimizer's temporaries, kernels' scratch). Outside it: gloo's own buffers, the Python
+interpreter and libraries. The table gives the fullest rank's peak, as the prediction does. A few plans
+(``_peak.CROSS_CHECK``) are also measured by RSS and under PeakMemory's dispatch mode, printed side by side.
 
 Predicted (in this process, no process group): ``fxpar.planner.model_costs.model_costs`` of each model once, then
 ``fxpar.planner.price.price_plan(costs, plan, profile, global_batch=8)`` per plan: ``step_time`` and
@@ -53,26 +48,22 @@ import statistics
 import sys
 import time
 
+import _peak  # bench/_peak.py
 import _planner_models as M  # bench/_planner_models.py (the script's folder is on sys.path)
 import torch
-import torch.distributed as dist
 from _docs import replace_section
 
 SECTION = "### Planner accuracy: predicted vs measured step time and peak memory"
-CROSS_CHECK = re.compile(os.environ.get(
-    "FXPAR_MEMORY_CROSS_CHECK", r"^(llama:(dp=1|dp=2,zero=3|tp=2|pp=2,microbatches=4,schedule=1f1b|dp=2,tp=2)|moe:ep=2)$"))
 
 
 # ---- measured: one plan on every rank of a pool --------------------------------------------------------
 def measure(model: str, plan: str, steps: int, warmup: int, profile_spec: str | None = None) -> dict:
     """Compile ``plan`` for ``model`` (meta model, weights from the initialiser; pipeline cuts balanced on the
     profile's rates, as ``fxpar.compile(model, "auto")`` does), run it, time it, measure its peak memory
-    (``start``, ``peak``, ``end``; ``peak_new``: the rise above the start; ``cross``: :func:`cross_check`'s
-    figures for a plan ``CROSS_CHECK`` matches)."""
+    (:func:`_peak.measure_peak`)."""
     import gc
 
     import fxpar
-    from fxpar.runtime.memtrack import AllocatorPeak
     from fxpar.testing.timing import timed
 
     torch.set_num_threads(1)
@@ -93,36 +84,11 @@ def measure(model: str, plan: str, steps: int, warmup: int, profile_spec: str | 
         dt, loss = timed(step)
         times.append(dt)
         losses.append(loss.item())
-    gc.collect()  # what earlier plans left in these processes is gone before the baseline is taken
-    dist.barrier()
-    with AllocatorPeak() as mem:
-        step()  # under the profiler: the blocks the measured step frees become known
-        mem.mark()
-        step()
-    dist.barrier()
-    out = {**mem.report(), "peak_new": mem.peak - mem.start}
-    if CROSS_CHECK.search(f"{model}:{plan}"):
-        out["cross"] = {"allocator": mem.peak - mem.start, **cross_check(step)}
+    out = _peak.measure_peak(step, f"{model}:{plan}")
     held = compiled.memory().get("measured", {})
     del compiled, step
     gc.collect()
     return {"times": times, "losses": losses, "compile_s": compile_s, "held": held, **out}
-
-
-def cross_check(step) -> dict:
-    """Bytes the same step rises above its start by two other measures, one more step each: ``rss`` (the
-    process's peak resident size above its size at the start, C heap trimmed first) and ``dispatch`` (under
-    :class:`~fxpar.runtime.memtrack.PeakMemory`, a dispatch mode: perturbed)."""
-    from fxpar.runtime.memtrack import PeakMemory, RssPeak
-
-    dist.barrier()
-    with RssPeak() as rss:
-        step()
-    dist.barrier()
-    with PeakMemory() as pm:
-        step()
-    dist.barrier()
-    return {"rss": rss.peak, "dispatch": pm.peak - pm.start}
 
 
 def run_measured(plans: list[tuple[str, str]], steps: int, warmup: int,
@@ -155,21 +121,8 @@ def run_measured(plans: list[tuple[str, str]], steps: int, warmup: int,
                 out[(model, plan)] = r
                 print(f"  {model:6s} {plan:40s} {world} ranks: {r['step_s'] * 1e3:7.1f} ms, peak "
                       f"{r['peak'] / 2**20:7.1f} MiB ({r['wall_s']:.0f} s, load {load:.1f})", flush=True)
-    print_cross_check(out)
+    _peak.print_cross_check(out)
     return out
-
-
-def print_cross_check(measured: dict) -> None:
-    """The plans measured three ways: per rank, MiB the step rose above its start by the allocator, by RSS and
-    under PeakMemory's dispatch mode (the allocator's is the figure the table uses)."""
-    lines = [f"| {m} | `{p}` | {rank} | {c['allocator'] / 2**20:.1f} | {c['rss'] / 2**20:.1f} | "
-             f"{c['dispatch'] / 2**20:.1f} | {(c['rss'] - c['allocator']) / 2**20:+.1f} | "
-             f"{(c['dispatch'] - c['allocator']) / 2**20:+.1f} |"
-             for (m, p), r in measured.items() for rank, c in enumerate(r.get("cross") or []) if c]
-    if lines:
-        print("\nPeak memory above the step's start, MiB, three ways (AllocatorPeak: the table's figure):\n\n"
-              "| model | plan | rank | AllocatorPeak | RSS | PeakMemory (dispatch mode) | RSS - allocator | "
-              "dispatch - allocator |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n", flush=True)
 
 
 # ---- predicted: the planner's cost model, in this process ---------------------------------------------
