@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import warnings
 from dataclasses import fields
 
@@ -130,6 +131,7 @@ def autoplan(model: torch.nn.Module, world_size: int, *, device: str | DevicePro
     from fxpar.planner.search import search
 
     profile, why = device_profile(device)
+    traced = time.perf_counter()
     if costs is None:
         costs = model_costs(model, seq, tp_degrees=tp_degrees(world_size, profile.ranks_per_node), dtype=dtype,
                             frontend=frontend)
@@ -139,6 +141,7 @@ def autoplan(model: torch.nn.Module, world_size: int, *, device: str | DevicePro
     chosen = search(costs, world_size, profile, global_batch=global_batch,
                     memory_per_rank=parse_memory(memory_per_rank), top=top, allow=compile_rule(model))
     chosen.seq, chosen.profile_why = seq, why
+    chosen.trace_seconds = time.perf_counter() - traced - chosen.seconds  # the trace and the per-part costs
     return chosen
 
 

@@ -71,11 +71,12 @@ class AutoPlan:
     baseline: Estimate | None
     world: int
     profile: object
-    seconds: float
+    seconds: float  # the search: enumerating, pricing and ranking the plans
     excluded: list[tuple[str, str]] = field(default_factory=list)  # combinations never priced, with reasons
     global_batch: int = 0
     seq: int = 0  # tokens per sequence the plans were priced for
     profile_why: str = ""  # why the predictions are for this profile (fxpar.auto.device_profile)
+    trace_seconds: float = 0.0  # tracing the model's parts and costing them (fxpar.autoplan; 0: costs given)
 
     def to_text(self, top: int = 5) -> str:
         e = self.estimate
@@ -137,7 +138,7 @@ class AutoPlan:
         return {"best": est(self.estimate), "ranked": [est(x) for x in self.ranked[:top]],
                 "baseline": est(self.baseline) if self.baseline else None, "reasons": dict(self.reasons),
                 "world": self.world, "profile": self.profile.name, "profile_why": self.profile_why, "seq": self.seq,
-                "global_batch": self.global_batch, "seconds": self.seconds,
+                "global_batch": self.global_batch, "seconds": self.seconds, "trace_seconds": self.trace_seconds,
                 "priced": len(self.ranked) + len(self.rejected), "feasible": len(self.ranked),
                 "excluded": [list(x) for x in self.excluded[:50]]}
 

@@ -170,6 +170,10 @@ def test_plan_auto_on_the_70b_config_for_1024_h100s():
     assert re.search(r"MFU \d+(\.\d+)?%", out), out[-3000:]
     assert re.search(r"^ *base +dp=\d+ pp=\d+ tp=8 zero=1 ", out, re.M) and "hand-made" in out, out[:3000]
     assert "computing in bfloat16" in out  # the config's torch_dtype
+    # the four phases each timed on their own, and together no more than the process's wall time
+    phases = re.search(r"started and imported in ([\d.]+) s, model built in ([\d.]+) s, traced and costed in "
+                       r"([\d.]+) s, searched in ([\d.]+) s", out)
+    assert phases and 0 < sum(map(float, phases.groups())) <= wall, out[-500:]
     assert wall < 60, wall
 
 
@@ -180,5 +184,6 @@ def test_plan_auto_json_and_argument_errors(capsys):
     assert main(args + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["world"] == 4 and data["timings"]["plan_s"] > 0
+    assert {"import_s", "build_s", "trace_s", "search_s"} <= set(data["timings"]) and data["timings"]["trace_s"] > 0
     assert main(["plan", "llama", "--auto"]) == 2 and "--world N" in capsys.readouterr().err
     assert main(["plan", "llama", "--world", "4"]) == 2 and "--auto" in capsys.readouterr().err
