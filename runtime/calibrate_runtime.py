@@ -191,28 +191,36 @@ def measure_optimizer_tensors(seconds: float = 0.15, numel: int = 1 << 18) -> tu
 def comm_share(counts, *, nbytes: int = 1 << 20, seconds: float = 0.4) -> dict:
     """{k: a 1 MB all-reduce's speed between ranks 0 and 1 while ranks 2..k-1 run a small training step, over
     its speed with them idle} for each ``k`` of ``counts`` within the world (ranks sharing the host's cores
-    with gloo's threads). Every rank of the world calls."""
+    with gloo's threads). Every rank of the world calls. The pair runs a count of all-reduces agreed on beforehand
+    (from the idle time, to fill about ``seconds``); the others compute until the pair is done."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pg = dist.new_group([0, 1])
     x = torch.ones(nbytes // 4)
     step = lm_step(rank)
-    out, base = {}, None
+    out, base, reps = {}, None, 10
     for k in [2, *(k for k in counts if 2 < k <= world)]:
         dist.barrier()
-        end = time.time() + seconds
-        times = []
+        times, done = [], torch.zeros(1)
         if rank < 2:
             dist.all_reduce(x, group=pg)
-            while time.time() < end:
+            for _ in range(reps):
                 t = time.perf_counter()
                 dist.all_reduce(x, group=pg)
                 times.append(time.perf_counter() - t)
-        elif rank < k:
-            while time.time() < end:
+            if rank == 0:
+                done.fill_(1.0)
+        work = dist.all_reduce(done, async_op=True)  # the pair's end, heard by the computing ranks
+        if 2 <= rank < k:
+            while not work.is_completed():
                 step()
+        work.wait()
         t = torch.tensor([statistics.median(times) if times else 0.0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        base = base or t.item()
+        if base is None:
+            base = t.item()
+            n = torch.tensor([max(5, min(200, int(seconds / max(base, 1e-6))))])
+            dist.broadcast(n, 0)
+            reps = int(n.item())
         out[k] = base / t.item()
     return out
 
