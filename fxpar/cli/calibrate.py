@@ -66,6 +66,17 @@ def _table(m: dict, profile) -> str:
         ia, ib = profile.collectives["all_reduce"][int(n)]
         rows.append(f"  all_reduce, every rank in a group of {n} at once: alpha {a * 1e6:.1f} us, beta "
                     f"{1 / max(b, 1e-15) / g:.2f} GB/s ({b / max(ib, 1e-18):.1f}x one group's beta)")
+    for kind, (a, b) in profile.collective_call.items():
+        rows.append(f"  fxpar {kind} op beyond the raw collective: {a * 1e6:.1f} us per call, {b * 1e12:.0f} ps per byte")
+    if profile.pipeline_action:
+        rows.append("  pipeline runtime per action (us): " + ", ".join(f"{k}: {v * 1e6:.0f}"
+                                                                      for k, v in profile.pipeline_action.items()))
+    (bf, bbw), (gf, gbw), (ot, og) = profile.bucket_copy, profile.gather_copy, profile.optimizer_tensor
+    rows.append(f"  DP bucket {bf * 1e6:.1f} us + copies {bbw / g:.2f} GB/s; ZeRO-3 gather {gf * 1e6:.1f} us + "
+                f"{gbw / g:.2f} GB/s; optimizer {ot * 1e6:.1f} us per tensor, {og * 1e6:.1f} us per group")
+    if profile.comm_share:
+        rows.append("  comm share (k busy ranks -> a collective's speed): "
+                    + ", ".join(f"{k}: {v:.2f}" for k, v in profile.comm_share.items()))
     rows.append(f"  links: intra {profile.intra.bandwidth / g:.2f} GB/s, {profile.intra.latency * 1e6:.1f} us/step; "
                 f"memory per rank {profile.memory / 2**30:.1f} GiB, {profile.ranks_per_node} ranks per node")
     return "\n".join(rows)
