@@ -29,8 +29,9 @@ from functools import lru_cache
 from fxpar.cost.comm import sent_bytes as _sent
 from fxpar.cost.data_parallel import DpGroups, sent_bytes
 from fxpar.cost.memory import activation_peaks, per_rank
-from fxpar.cost.roofline import is_matmul, roofline, work_time
+from fxpar.cost.roofline import is_matmul, work_time
 from fxpar.cost.schedule import EXACT_LIMIT, critical_path, n_actions
+from fxpar.cost.stages import Segments
 from fxpar.ir import schedule as sched
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
@@ -82,12 +83,10 @@ class Pricer:
         self.costs, self.profile, self.batch = costs, profile, global_batch
         self.memory = int(memory_per_rank if memory_per_rank is not None else profile.memory)
         self.names = ["pre", *costs.layers, "post"]
-        # where a stage may start: each part, and the middle of each layer (fxpar's cuts may also fall at a
-        # layer's children, e.g. between its attention and its MLP): (part index, share of the part)
-        self.units = [u for i, n in enumerate(self.names)
-                      for u in ([(i, 1.0)] if n in ("pre", "post") else [(i, 0.5), (i, 0.5)])]
         self._kinds: dict = {}
-        self._cuts: dict = {}
+        # the model's segments as compile's cut candidates make them; units: (part index, share of the part)
+        self.segs = Segments(costs, profile, self.names)
+        self.segments, self.units, self.points = self.segs.rows, self.segs.units, self.segs.points
         self._stage_cache: dict = {}
 
     # ---- per part --------------------------------------------------------------------------------
@@ -120,28 +119,14 @@ class Pricer:
         self._kinds[key] = got
         return got
 
-    def cuts(self, n_stages: int, tp: int, sp: bool, b: int, world: int) -> list[tuple[int, int]]:
-        """Contiguous [start, end) ranges of ``self.units`` per stage, minimising the slowest stage."""
-        key = (n_stages, tp, sp, b, world)
-        got = self._cuts.get(key)
-        if got is not None:
-            return got
-        w = [_roofline(self, self.names[i], tp, sp, b) * f for i, f in self.units]
-        lo, hi = max(max(w), sum(w) / n_stages), max(w) + sum(w) / n_stages
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            if len(_greedy(w, mid, n_stages)) <= n_stages:
-                hi = mid
-            else:
-                lo = mid
-        got = _greedy(w, hi, n_stages)
-        while len(got) < n_stages:  # split the largest group until every stage has a part
-            i = max(range(len(got)), key=lambda j: got[j][1] - got[j][0])
-            s, e = got[i]
-            half = (s + e) // 2
-            got[i:i + 1] = [(s, half), (half, e)]
-        self._cuts[key] = got
-        return got
+    def plan_cuts(self, plan: Plan) -> list[str | None]:
+        """The modules where ``plan``'s stages 2.. begin: the cuts ``fxpar.compile`` makes for it."""
+        _, v, m = self.check(plan)
+        return self.segs.modules(plan.pp * v, self.batch // (plan.dp * m), self.dtype(plan))
+
+    def dtype(self, plan: Plan) -> str:
+        """What ``plan``'s step computes in: bf16 under autocast, else the costs' dtype."""
+        return "bf16" if plan.mixed_precision == "bf16" else self.costs.dtype
 
     def _stages(self, n_stages: int, tp: int, sp: bool, b: int, rc: str, world: int, dtype: str) -> dict[str, list]:
         """Per stage of the balanced cuts: compute, TP comm, params, activations, outputs (cached)."""
@@ -151,7 +136,8 @@ class Pricer:
             return got
         got = {k: [] for k in ("F", "B", "W", "tf", "tb", "params", "kept", "trans", "outs", "tpsent", "big",
                                 "kout", "bigt")}
-        for s, e in self.cuts(n_stages, tp, sp, b, world):
+        bounds = self.segs.cuts(n_stages, b, dtype)
+        for s, e in bounds:
             units: dict[int, float] = {}  # part -> its share in the stage (two halves of a layer: whole)
             for i, f in self.units[s:e]:
                 units[i] = units.get(i, 0.0) + f
@@ -160,7 +146,11 @@ class Pricer:
                             ("kout", 9)):
                 got[name].append(sum(k[i] * f for k, f in ks))
             got["trans"].append(max(k[7] for k, _ in ks))
-            got["outs"].append(ks[-1][0][8])
+            # what a cut after the stage sends: at a part's end the part's bytes (on this tp), mid-part the
+            # unsharded segment's
+            nxt = self.segments[e] if e < len(self.segments) else None
+            got["outs"].append(0 if nxt is None else nxt[3] * b if nxt[0] == self.segments[e - 1][0] and
+                               nxt[2] is not None else ks[-1][0][8])
             got["big"].append(max(k[5] for k, _ in ks))
             itemsize = 2 if self.costs.dtype in ("bf16", "fp16") else 4  # entries of the largest weight
             got["bigt"].append(max(self.costs.part(self.names[i], tp, sp).largest_weight() for i in units) // itemsize)
@@ -193,9 +183,10 @@ class Pricer:
                             f"{m} microbatches; pick microbatches dividing {self.batch // plan.dp}"
                             if self.batch % plan.dp == 0 else
                             f"fxpar.planner.price: global batch {self.batch} is not a multiple of dp={plan.dp}")
-        if plan.pp * v > len(self.names):
-            raise PlanError(f"fxpar.planner.price: {plan.pp} x {v} stages but the model has {len(self.names)} parts "
-                            f"({len(c.layers)} layers + pre + post); use pp <= {len(self.names) // v}")
+        if plan.pp * v > len(self.points) + 1:
+            raise PlanError(f"fxpar.planner.price: {plan.pp} x {v} stages but the model offers {len(self.points)} "
+                            f"cut points ({len(c.layers)} layers, their children, pre and post); "
+                            f"use pp <= {(len(self.points) + 1) // v}")
         sched.validate(name, plan.pp, m, plan.pp * v)
         return name, v, m
 
@@ -209,7 +200,7 @@ class Pricer:
         # HSDP: the shard group and the replica group, each on the link its ranks need (fxpar.cost.data_parallel)
         groups = DpGroups.of(plan, lambda stride, size: _spans_nodes(world, p.ranks_per_node, stride, size))
         gbytes = 1 if plan.comm_dtype else (2 if plan.mixed_precision == "bf16" else 4)
-        dtype = "bf16" if plan.mixed_precision == "bf16" else c.dtype  # autocast computes in bf16
+        dtype = self.dtype(plan)
         st = self._stages(n_stages, tp, sp, b, rc, world, dtype)
         params, kept, trans, outs = st["params"], st["kept"], st["trans"], st["outs"]
         tf, tb = st["tf"], st["tb"]
@@ -282,7 +273,7 @@ def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbyte
         return got
     p = self.profile
     zf, zb = [], []
-    for s, e in self.cuts(n_stages, tp, sp, b, world):
+    for s, e in self.segs.cuts(n_stages, b, dtype):
         f = bw = 0.0
         for u in range(s, e):
             i, share = self.units[u]
@@ -302,21 +293,6 @@ def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbyte
     return got
 
 
-def _roofline(self: Pricer, name: str, tp: int, sp: bool, b: int) -> float:
-    """Forward + backward seconds of a part by the roofline alone, no per-op overhead: the weights
-    ``fxpar.compile`` balances its cuts by (:func:`fxpar.cost.roofline.roofline`, as its ``node_time``), so
-    that the planner's stages hold the parameters and activations the built ones do."""
-    key = ("roofline", name, tp, sp, b)
-    got = self._kinds.get(key)
-    if got is None:
-        p, dtype = self.profile, self.costs.dtype
-        got = 0.0
-        for f, bw, act, weight, *_ in self.costs.part(name, tp, sp).nodes:
-            got += sum(roofline(p, f * b, bw * b, act * b + weight, dtype))
-        self._kinds[key] = got
-    return got
-
-
 @lru_cache(maxsize=1024)
 def _owned(name: str, pp: int, n_stages: int) -> list[list[int]]:
     place = sched.stage_to_rank(name, pp, n_stages)
@@ -325,17 +301,3 @@ def _owned(name: str, pp: int, n_stages: int) -> list[list[int]]:
 
 def sched_exact(name: str, pp: int, m: int, v: int) -> bool:
     return n_actions(name, pp, m, v) <= EXACT_LIMIT
-
-
-def _greedy(w: list[float], limit: float, most: int) -> list[tuple[int, int]]:
-    """Contiguous groups of ``w`` each at most ``limit`` (stops early once past ``most`` groups)."""
-    out, start, acc = [], 0, 0.0
-    for i, x in enumerate(w):
-        if acc + x > limit and i > start:
-            out.append((start, i))
-            if len(out) > most:
-                return out + [(i, len(w))]
-            start, acc = i, 0.0
-        acc += x
-    out.append((start, len(w)))
-    return out

@@ -7,7 +7,8 @@ longest ModuleList; the children of every block are candidates too, so that stag
 less than a block when a vocabulary-sized head or embedding would otherwise leave one stage heavy.
 
 :func:`balanced_cuts` chooses the cuts that minimise the slowest stage's forward + backward time plus
-its boundary transfers (activations in, gradients back) by dynamic programming over the candidates,
+its boundary transfers (activations in, gradients back) by the one cut algorithm
+(:func:`fxpar.cost.stages.balanced_split`, a dynamic program) over the candidates,
 every node weighted by the roofline of :mod:`fxpar.cost.roofline` on a device profile (so the LM head
 counts its vocabulary-sized matmul and the memory-bound loss over the logits, the embedding its gather).
 Without a profile, the published H100's in bf16 (:data:`fxpar.cost.profiles.H100`). Boundary bytes leave
@@ -25,6 +26,7 @@ import torch.fx
 from fxpar.cost.boundary import recomputable, routed_bytes, value_bytes
 from fxpar.cost.profiles import H100, DeviceProfile
 from fxpar.cost.roofline import node_time, transfer_time
+from fxpar.cost.stages import balanced_split
 from fxpar.ir import meta
 from fxpar.ir.analysis import grad_flow
 from fxpar.ir.errors import PlanError
@@ -222,30 +224,12 @@ def balanced_cuts(program: Program, n_stages: int, profile: DeviceProfile = H100
             f"{blocks} stages give each one layer; use fewer stages, or name more modules to cut at in split_points")
     costs = _Costs(program, profile, dtype)
     pts = [0] + list(cands) + [len(costs.times)]
-    k = len(pts) - 1
-    inf = float("inf")
-    # best[s][j]: slowest stage when points[0..j] is covered by s stages; arg[s][j]: the cut before j
-    best = [[inf] * (k + 1) for _ in range(n_stages + 1)]
-    arg = [[0] * (k + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, n_stages + 1):
-        for j in range(s, k + 1 - (n_stages - s)):
-            bj = pts[j]
-            top, where = inf, 0
-            for i in range(j - 1, s - 2, -1):
-                prev = best[s - 1][i]
-                if prev >= top:
-                    continue
-                c = costs.total(pts[i], bj)
-                v = prev if prev > c else c
-                if v < top:
-                    top, where = v, i
-            best[s][j], arg[s][j] = top, where
-    cuts, j = [], k
-    for s in range(n_stages, 1, -1):
-        j = arg[s][j]
-        cuts.append((cands[pts[j]], "beginning"))
-    return cuts[::-1]
+
+    def t(nbytes):
+        return transfer_time(profile, nbytes)
+    edge = [0.0] + [t(costs.cross[x]) + t(costs.gcross[x]) for x in cands] + [0.0]
+    chosen = balanced_split([costs.pf[x] for x in pts], [costs.pb[x] for x in pts], edge, n_stages)
+    return [(cands[pts[j]], "beginning") for j in chosen]
 
 
 def cut_position(spans: dict[str, tuple[int, int]], cut: tuple[str, str]) -> int:

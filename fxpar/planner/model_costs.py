@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from fxpar.cost.comm import payloads
-from fxpar.cost.partition import crossing_bytes, top_nodes
+from fxpar.cost.partition import candidate_modules, crossing_bytes, cut_positions, top_nodes
 from fxpar.cost.predict import RECOMPUTE, _layer, backward_grads, kept_outputs
 from fxpar.cost.roofline import work_time
 from fxpar.cost.saved import MATMUL_LIKE, SavedTensors
@@ -63,6 +63,10 @@ class RankPart:
     out_bytes: int = 0  # activation bytes a pipeline cut after this part sends per sequence
     grad_bytes: int = 0  # backward's transient: most gradient bytes alive at once in the part's backward, per sequence
     kept_out: int = 0  # the program's outputs the part makes (logits), per sequence: kept to the end of the step
+    # where compile may cut inside the part (tp=1): per segment, (its first row in ``nodes``, bytes crossing
+    # its start and their gradients' per sequence, the candidate module a stage may begin at or None; in a
+    # layer with "{}" for the layer's index, "model.layers.{}.mlp"); empty: unknown
+    units: list[tuple[int, int, int, str | None]] = field(default_factory=list)
     _times: dict = field(default_factory=dict, repr=False, compare=False)  # (profile id, batch, dtype) -> result
 
     def largest_weight(self) -> int:
@@ -183,10 +187,14 @@ def _node_rows(program: Program, node: torch.fx.Node, weights: set[torch.fx.Node
     return rows
 
 
-def _rank_parts(program: Program) -> tuple[dict[str, RankPart], list[str]]:
-    """One RankPart per part of ``program`` (keys: "pre", each traced layer's FQN, "post")."""
+def _rank_parts(program: Program, units: bool = False) -> tuple[dict[str, RankPart], list[str]]:
+    """One RankPart per part of ``program`` (keys: "pre", each traced layer's FQN, "post"); ``units``: with
+    the segments compile's cut candidates (:func:`fxpar.cost.partition.candidate_modules`) make of it."""
     where, assign, order = _assign(program)
-    names = ["pre", *order, "post"]
+    cands = cut_positions(program, candidate_modules(program)) if units else {}
+    cross, gcross = crossing_bytes(program)
+    segs: dict[str, list] = {k: [] for k in names_of(order)}
+    names = names_of(order)
     bound = {b.placeholder: b for b in program.inputs}
     weights = {n for n in program.graph.nodes if (n.op == "placeholder" and n.name in bound and
                                                   bound[n.name].kind in ("parameter", "buffer", "constant"))
@@ -194,8 +202,12 @@ def _rank_parts(program: Program) -> tuple[dict[str, RankPart], list[str]]:
     rows: dict[str, list] = {k: [] for k in names}
     members: dict[str, set[str]] = {k: set() for k in names}
     end: dict[str, int] = {}
+    prev = None
     for i, node in enumerate(top_nodes(program)):
         part = assign[node]
+        if units and (part != prev or i in cands):  # a segment begins: at a part's start or a candidate
+            segs[part].append((len(rows[part]), cross[i], gcross[i], _relative(cands.get(i), part)))
+        prev = part
         rows[part].extend(_node_rows(program, node, weights))
         members[part].add(node.name)
         end[where[node]] = i + 1  # a pipeline cut after the part: where its last node stands
@@ -211,14 +223,25 @@ def _rank_parts(program: Program) -> tuple[dict[str, RankPart], list[str]]:
         part = assign.get(node, "post")
         for direction, backward in (("fwd", False), ("bwd", True)):
             comm[part].extend((c, int(nb), direction) for c, nb in payloads(kind, node, backward=backward))
-    cross, _ = crossing_bytes(program)
     acts = _activations(program, assign, names)
     grads, outs = backward_grads(program, assign), kept_outputs(program, assign)
     parts = {}
     for k in names:
         out = 0 if k == "post" else cross[end.get(k, 0)]
-        parts[k] = RankPart(rows[k], params[k], comm[k], acts[k], out, grads.get(k, 0), outs.get(k, 0))
+        parts[k] = RankPart(rows[k], params[k], comm[k], acts[k], out, grads.get(k, 0), outs.get(k, 0), segs[k])
     return parts, order
+
+
+def _relative(module: str | None, part: str) -> str | None:
+    """``module`` with the index of the layer ``part`` it is in (or is) as "{}"."""
+    if module is None or part in ("pre", "post") or not (module == part or module.startswith(part + ".")):
+        return module
+    container, _, _ = part.rpartition(".")
+    return f"{container}.{{}}{module[len(part):]}"
+
+
+def names_of(order: list[str]) -> list[str]:
+    return ["pre", *order, "post"]
 
 
 def _activations(program: Program, assign: dict[torch.fx.Node, str], names: list[str]) -> dict[str, dict]:
@@ -330,7 +353,7 @@ def _trace_parts(model, short: Shortened | None, seq: int, dtype: str, frontend:
     if short is not None and short.model is not None:
         _check_max(max_layers, len(short.kept), "the shortened copy")
         program = trace_copy(short.model.to(DTYPES[dtype]), seq, frontend)
-        parts, order = _rank_parts(program)
+        parts, order = _rank_parts(program, units=True)
         if len(order) == len(short.kept):
             by_kind: dict[str, str] = {}
             ok = True
@@ -347,7 +370,7 @@ def _trace_parts(model, short: Shortened | None, seq: int, dtype: str, frontend:
     if full is not model:
         full = full.to(DTYPES[dtype])
     program = trace_copy(full, seq, frontend)
-    parts, order = _rank_parts(program)
+    parts, order = _rank_parts(program, units=True)
     # a layer's kind: what the config and module tree say (where they say it), told apart by its cost too
     said = short.kinds if short is not None and len(short.kinds) == len(order) else [""] * len(order)
     sigs = [(k, p.flops, p.params, len(p.nodes)) for k, p in zip(said, (parts[f] for f in order))]
