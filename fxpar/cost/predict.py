@@ -17,6 +17,7 @@ from fxpar.cost.partition import candidate_modules, cut_positions, stage_costs
 from fxpar.cost.profiles import DeviceProfile
 from fxpar.cost.roofline import transfer_time
 from fxpar.cost.saved import MATMUL_LIKE, SavedTensors
+from fxpar.cost.schedule import walk
 from fxpar.ir import meta
 from fxpar.ir.analysis import grad_flow
 from fxpar.ir.program import Program
@@ -102,21 +103,12 @@ def stage_activations(program: Program, nodes: set[str] | None = None) -> dict[s
 
 def peak_activations(per_stage: dict[int, tuple[int, int]], actions: list[Action]) -> int:
     """The most activation bytes a rank holds while it runs ``actions`` (its schedule, in order), given
-    each of its stages' ``(kept, transient)`` per microbatch: a microbatch's activations live from its
-    forward to its backward (to its weight backward where input and weight backward are split), and a
-    backward adds the stage's transient recomputation."""
-    live, peak = 0, 0
-    split = {(a.stage, a.mb) for a in actions if a.kind == "W"}
-    for a in actions:
-        kept, transient = per_stage.get(a.stage, (0, 0))
-        if a.kind == "F":
-            live += kept
-            peak = max(peak, live)
-        elif a.kind in ("B", "I"):
-            peak = max(peak, live + transient)
-        if a.kind == "W" or (a.kind == "B" and (a.stage, a.mb) not in split):
-            live -= kept
-    return peak
+    each of its stages' ``(kept, transient)`` per microbatch, at the moments of
+    :func:`fxpar.cost.schedule.walk`: the kept bytes of the microbatches alive, and a backward's transient."""
+    stages = sorted({a.stage for a in actions})
+    costs = [per_stage.get(s, (0, 0)) for s in stages]
+    return max(sum(c * k[0] for c, k in zip(live, costs)) + (costs[t][1] if t >= 0 else 0)
+               for live, t, _, _ in walk(actions, stages))
 
 
 def activation_memory(program: Program, stage_nodes: dict[int, set[str]] | None = None,

@@ -33,7 +33,8 @@ from fxpar.ir.schedule import (
 
 EXACT_LIMIT = 2500  # actions: above this, the closed form (building torch's orders gets slow)
 
-__all__ = ["EXACT_LIMIT", "closed_form", "critical_path", "n_actions", "peak_activation", "schedule_dag"]
+__all__ = ["EXACT_LIMIT", "closed_form", "critical_path", "moments", "n_actions", "peak_activation", "schedule_dag",
+           "walk"]
 
 
 def n_actions(schedule: str, pp: int, m: int, v: int) -> int:
@@ -153,45 +154,59 @@ def closed_form(schedule: str, pp: int, m: int, v: int, f: list[float], b: list[
     return makespan, (1.0 - m * sum(per) / (pp * makespan) if makespan > 0 else 0.0)
 
 
+def walk(actions: list[Action], stages: list[int]) -> list[tuple]:
+    """The one walk of a rank's schedule for memory: the moments at which what the rank holds can peak,
+    running ``actions`` (its order) over its ``stages`` (in stage order): at each forward's end, at each
+    backward (B or I) before it frees its microbatch, and at the end, ``(microbatches alive per stage, the
+    index of the stage whose backward runs or -1, whether each stage's weight gradients exist yet, forwards
+    done per stage)``. A microbatch lives from its forward to its backward (its weight backward where the
+    input and weight backward are split)."""
+    pos = {s: i for i, s in enumerate(stages)}
+    live, done, fwd = [0] * len(stages), [0] * len(stages), [0] * len(stages)
+    split = {(a.stage, a.mb) for a in actions if a.kind == "W"}
+    out = []
+    for a in actions:
+        i = pos[a.stage]
+        fwd[i] += a.kind == "F"
+        live[i] += a.kind == "F"
+        if a.kind in ("F", "B", "I"):
+            out.append((tuple(live), i if a.kind != "F" else -1, tuple(done), tuple(fwd)))
+        if a.kind == "W" or (a.kind == "B" and (a.stage, a.mb) not in split):
+            live[i] -= 1
+            done[i] = 1
+    out.append((tuple(live), -1, tuple(done), tuple(fwd)))
+    return out
+
+
 @lru_cache(maxsize=1024)
-def _peak_vectors(schedule: str, pp: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, ...], int], ...], ...]:
-    """Per rank: the (live microbatches per local stage, stage whose backward runs or -1) at its peaks."""
-    _, order, place = schedule_dag(schedule, pp, m, v)
+def moments(name: str, pp: int, m: int, v: int) -> tuple:
+    """Per rank, the moments of its schedule that can hold its memory peak (:func:`walk`), dominated
+    moments dropped (a later moment with the same running backward and at least as much of each kept)."""
+    _, order, place = schedule_dag(name, pp, m, v)
     out = []
     for r in range(pp):
-        mine = [s for s in range(len(place)) if place[s] == r]
-        pos = {s: i for i, s in enumerate(mine)}
-        live = [0] * len(mine)
-        split = {(a.stage, a.mb) for a in order[r] if a.kind == "W"}
-        seen: set = set()
-        for a in order[r]:
-            i = pos[a.stage]
-            if a.kind == "F":
-                live[i] += 1
-                seen.add((tuple(live), -1))
-            elif a.kind in ("B", "I"):
-                seen.add((tuple(live), i))
-            if a.kind == "W" or (a.kind == "B" and (a.stage, a.mb) not in split):
-                live[i] -= 1
-        keep = [x for x in seen if not any(y != x and y[1] == x[1] and all(p >= q for p, q in zip(y[0], x[0]))
-                                           for y in seen)]
-        out.append(tuple(sorted(keep)))
+        seen: dict = {}  # (live, backward, done) -> forwards done (they only grow: the latest wins)
+        for live, t, done, fwd in walk(order[r], [s for s in range(len(place)) if place[s] == r]):
+            seen[(live, t, done)] = fwd
+        xs = [(k[0], k[1], k[2], f) for k, f in seen.items()]
+        keep = [x for x in xs if not any(y != x and y[1] == x[1] and all(
+            all(p >= q for p, q in zip(y[j], x[j])) for j in (0, 2, 3)) for y in xs)]
+        out.append(tuple(keep))
     return tuple(out)
 
 
 def peak_activation(schedule: str, pp: int, m: int, v: int, kept: list[list[float]],
                     transient: list[list[float]], exact: bool | None = None) -> list[float]:
     """Peak activation bytes per rank: ``kept[r][i]`` / ``transient[r][i]`` per microbatch of rank r's
-    i-th stage (in stage order), as :func:`fxpar.cost.predict.peak_activations` would find walking the
-    rank's actions. Above :data:`EXACT_LIMIT`: the in-flight bound of the schedule's warm-up."""
+    i-th stage (in stage order), at the moments of :func:`walk`. Above :data:`EXACT_LIMIT`: the in-flight bound of the schedule's warm-up."""
     name = normalize_schedule(schedule)
     v = stages_per_rank(name, v)
     if exact is None:
         exact = n_actions(name, pp, m, v) <= EXACT_LIMIT
     if exact:
-        vecs = _peak_vectors(name, pp, m, v)
+        at = moments(name, pp, m, v)
         return [max(sum(c * k for c, k in zip(live, kept[r])) + (transient[r][t] if t >= 0 else 0.0)
-                    for live, t in vecs[r]) for r in range(pp)]
+                    for live, t, _, _ in at[r]) for r in range(pp)]
     out = []
     for r in range(pp):
         if name == "gpipe":
