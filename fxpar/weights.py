@@ -207,7 +207,10 @@ class WeightSource:
             torch.manual_seed(self.seed + zlib.crc32(path.encode()))
             with torch.no_grad():
                 self.init(module)
-        return {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
+        # detached: the initialiser's values are data to copy from; its parameters require grad, so copying
+        # them into views of a flat buffer (load_flat) would record the copies in autograd
+        return {k: t.detach() for k, t in [*module.named_parameters(recurse=False),
+                                           *module.named_buffers(recurse=False)]}
 
     @staticmethod
     def _checked(name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

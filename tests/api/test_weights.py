@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 import fxpar
 from fxpar import zoo
 from fxpar.testing import multiproc
+from fxpar.testing.compare import train_against_reference
 from fxpar.weights import WeightSource
 
 TOL = 1e-5
@@ -18,9 +19,9 @@ pool2 = multiproc.rank_pool(2)
 pool4 = multiproc.rank_pool(4)
 
 
-def _meta(name: str) -> torch.nn.Module:
+def _meta(name: str, **overrides) -> torch.nn.Module:
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(zoo.tiny_config(name))
+        model = transformers.AutoModelForCausalLM.from_config(zoo.tiny_config(name, **overrides))
     return model.train()
 
 
@@ -85,6 +86,43 @@ def test_meta_model_with_two_stages_per_rank(pool2):
     plan = "pp=2,schedule=interleaved_1f1b,microbatches=2"
     for r in pool2.run(meta_training, "llama", plan, "state_dict", "", timeout=120):
         assert r["weights"] <= TOL and r["loss"] <= TOL and not r["meta_left"], r
+
+
+# A vocabulary (251) and MLP width (130) that put the ZeRO-3 shard boundaries inside rows of the embedding,
+# the MLP weights and the layer buckets, so a rank's entries of a parameter are several boxes of it.
+ODD = dict(vocab_size=251, intermediate_size=130)
+
+
+def zero3_from_initialiser(name: str, plan: str) -> dict:
+    """``plan`` (ZeRO-3) compiled from a meta model with ``weights="init"``, a rank reading only its entries
+    of the initialiser's tensors, against one process holding the initialiser's full tensors: the loss and
+    every parameter's gradient of two steps, and the parameters after each."""
+    source = WeightSource(_meta(name, **ODD), "init")
+    reference = zoo.build(name, seed=0, **ODD)
+    with torch.no_grad():  # a tied weight once, under its first name (as compile reads it)
+        for k, t in [*reference.named_parameters(), *reference.named_buffers()]:
+            t.copy_(source.load([k], None, like=t))
+    batch = zoo.example_inputs(name, reference, batch=4, seq=8)
+    compiled = fxpar.compile(_meta(name, **ODD), plan, example_kwargs=batch, optimizer=sgd, weights="init",
+                             timeout=60)
+    return train_against_reference(compiled, reference, sgd, batch, 2, grads=True)
+
+
+@pytest.mark.slow
+def test_zero3_meta_model_from_initialiser_with_shards_across_rows(pool2):
+    for r in pool2.run(zero3_from_initialiser, "gemma2", "dp=2,zero=3", timeout=120):
+        assert r["loss"] <= TOL and r["grad"] <= TOL and r["weights"] <= TOL, r
+
+
+def test_initialiser_entries_across_rows_equal_the_whole_tensor():
+    """``load_flat`` of the initialiser: entries starting and ending inside rows (several boxes of the
+    tensor) equal those entries of the whole tensor ``load`` gives."""
+    model = _meta("gemma2", **ODD)
+    source = WeightSource(model, "init")
+    for name, p in model.named_parameters():
+        n = p.numel()
+        flat = source.load_flat([name], None, p, 1, n - 1)
+        assert not flat.requires_grad and torch.equal(flat, source.load([name], None, like=p).flatten()[1:n - 1]), name
 
 
 @pytest.mark.slow
