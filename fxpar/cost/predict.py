@@ -17,11 +17,11 @@ from fxpar.cost.partition import candidate_modules, cut_positions, stage_costs
 from fxpar.cost.profiles import DeviceProfile
 from fxpar.cost.roofline import transfer_time
 from fxpar.cost.saved import MATMUL_LIKE, SavedTensors
-from fxpar.cost.schedule import walk
+from fxpar.cost.schedule import makespan, walk
 from fxpar.ir import meta
 from fxpar.ir.analysis import grad_flow
 from fxpar.ir.program import Program
-from fxpar.ir.schedule import Action, simulate
+from fxpar.ir.schedule import Action
 from fxpar.ir.stage import PipelineProgram
 
 RECOMPUTE = ("none", "layer", "selective")
@@ -39,9 +39,8 @@ def annotate_stages(traced, pipeline: PipelineProgram, cuts, profile: DeviceProf
     f = [s.fwd_time for s in pipeline.stages]
     b = [s.bwd_time for s in pipeline.stages]
     comm = max((transfer_time(profile, s.send_bytes) for s in pipeline.stages), default=0.0)
-    sim = simulate(actions, stage_to_rank, {"F": f, "B": b, "I": [x / 2 for x in b], "W": [x / 2 for x in b]},
-                   comm=comm)
-    return {"step_time": sim.makespan, "bubble": sim.bubble, "device": profile.name}
+    step, bubble = makespan(actions, stage_to_rank, f, b, [x / 2 for x in b], comm)
+    return {"step_time": step, "bubble": bubble, "device": profile.name}
 
 
 _NUMBERED = re.compile(r"^(.*?\.\d+)(\.|$)")

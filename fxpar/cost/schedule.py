@@ -1,5 +1,7 @@
 """The one makespan: a pipeline schedule's step time as the critical path of its action DAG (the
-planner's Estimate reads it; :func:`fxpar.ir.schedule.simulate` checks a schedule for deadlocks).
+planner's Estimate reads :func:`critical_path`; compile's predicted step and the pipeline warning's bubble
+read :func:`makespan` on their orders; :func:`fxpar.ir.schedule.simulate` only checks a schedule for
+deadlocks), and the one walk of a rank's schedule for its memory peaks (:func:`walk`).
 
 The DAG of :func:`fxpar.ir.schedule.build_schedule`'s actions (nodes: F/B/I/W of a stage and microbatch;
 edges: the data dependencies and each rank's own order) is built once per ``(schedule, pp, m, v)`` with
@@ -33,7 +35,7 @@ from fxpar.ir.schedule import (
 
 EXACT_LIMIT = 2500  # actions: above this, the closed form (building torch's orders gets slow)
 
-__all__ = ["EXACT_LIMIT", "closed_form", "critical_path", "moments", "n_actions", "peak_activation", "schedule_dag",
+__all__ = ["EXACT_LIMIT", "closed_form", "critical_path", "makespan", "moments", "n_actions", "peak_activation", "schedule_dag",
            "walk"]
 
 
@@ -50,6 +52,12 @@ def schedule_dag(schedule: str, pp: int, m: int, v: int) -> tuple[nx.DiGraph, di
     n_stages = pp * stages_per_rank(name, v)
     order = build_schedule(name, pp, m, n_stages)
     place = stage_to_rank(name, pp, n_stages)
+    return _graph(order, place), order, place
+
+
+def _graph(order: dict[int, list[Action]], place: list[int]) -> nx.DiGraph:
+    """The DAG of per-rank ``order`` over stages placed by ``place``."""
+    n_stages = len(place)
     g = nx.DiGraph()
     made: dict[tuple[str, int, int], Action] = {}  # ("F"|"G"|"I", stage, mb) -> the action
     for acts in order.values():
@@ -65,13 +73,17 @@ def schedule_dag(schedule: str, pp: int, m: int, v: int) -> tuple[nx.DiGraph, di
             for dep in dependencies(a, n_stages):
                 src = made[dep]
                 g.add_edge(src, a, cross=place[src.stage] != r)
-    return g, order, place
+    return g
 
 
 @lru_cache(maxsize=256)
 def _compiled(schedule: str, pp: int, m: int, v: int) -> tuple:
     """The DAG as index arrays in topological order: kinds, stages, ranks, predecessor lists."""
-    g, order, place = schedule_dag(schedule, pp, m, v)
+    g, _, place = schedule_dag(schedule, pp, m, v)
+    return _arrays(g, place)
+
+
+def _arrays(g: nx.DiGraph, place: list[int]) -> tuple:
     topo = list(nx.topological_sort(g))
     index = {a: i for i, a in enumerate(topo)}
     preds = [tuple((index[p], g.edges[p, a]["cross"]) for p in g.predecessors(a)) for a in topo]
@@ -108,7 +120,22 @@ def _round(xs: list[float]) -> tuple[float, ...]:
 @lru_cache(maxsize=65536)
 def _exact(key: tuple) -> tuple[float, float]:
     name, pp, m, v, f, b, w, comm = key
-    topo, preds, ranks = _compiled(name, pp, m, v)
+    return _longest(*_compiled(name, pp, m, v), pp, f, b, w, comm)
+
+
+def makespan(actions: dict[int, list[Action]], place: list[int], F, B, W=None, comm: float = 0.0) -> tuple[float, float]:
+    """``(makespan, bubble)`` of per-rank orders ``actions`` (a schedule already checked for deadlocks, as
+    compile's are) over stages placed by ``place``: the critical path of :func:`critical_path`, on these
+    orders rather than a schedule's name."""
+    n = len(place)
+    f, b = _per_stage(F, n), _per_stage(B, n)
+    w = _per_stage(W, n) if W is not None else [x / 2 for x in b]
+    pp = max([max(place, default=-1) + 1, *(r + 1 for r in actions)])
+    return _longest(*_arrays(_graph(actions, list(place)), list(place)), pp, f, b, w, comm)
+
+
+def _longest(topo, preds, ranks, pp: int, f, b, w, comm: float) -> tuple[float, float]:
+    """The longest path through the DAG's index arrays with each action's duration, and the bubble."""
     dur = {"F": f, "B": b, "W": w, "I": [x - y for x, y in zip(b, w)]}
     end = [0.0] * len(topo)
     busy = [0.0] * pp

@@ -9,7 +9,7 @@ Writes nothing: :func:`pipeline_warning` returns the text (None when the pipelin
 :func:`warn_pipeline` logs it on the ``fxpar`` logger, which ``fxpar plan`` and ``fxpar train`` print.
 
 The bubble is the share of the step a rank idles when the stages take their compute times under the
-plan's schedule (:func:`fxpar.ir.schedule.simulate`, transfers left out: they are a property of the
+plan's schedule (:func:`fxpar.cost.schedule.makespan`, transfers left out: they are a property of the
 device's links, not of the cuts or the microbatch count). Times scale with the microbatch size alike on
 every stage, so the bubble of another microbatch count is simulated with the same per-stage times.
 """
@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 from fxpar.cost.partition import candidate_modules, cut_positions, module_positions, stage_costs, top_nodes
 from fxpar.cost.profiles import DeviceProfile
+from fxpar.cost.schedule import makespan
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program, iter_nodes, subgraphs_of
-from fxpar.ir.schedule import build_schedule, simulate
+from fxpar.ir.schedule import build_schedule
 
 EMPTY_SHARE = 0.1  # a stage with under this share of the busiest stage's FLOPs is nearly empty
 # a schedule idling more of the step than this warns: above what the default microbatch count (one per
@@ -96,11 +97,10 @@ def stage_loads(program: Program, cuts: list[tuple[str, str]], profile: DevicePr
 
 
 def _bubble(schedule: str, pp: int, m: int, n_stages: int, stage_to_rank, loads: list[StageLoad]) -> float:
-    """The share of the step a rank idles: the schedule simulated on the stages' compute times."""
+    """The share of the step a rank idles: the schedule's critical path on the stages' compute times."""
     f, b = [x.fwd for x in loads], [x.bwd for x in loads]
     actions = build_schedule(schedule, pp, m, n_stages)  # split backwards: input and weight halves, as predicted
-    return simulate(actions, list(stage_to_rank), {"F": f, "B": b, "I": [x / 2 for x in b],
-                                                   "W": [x / 2 for x in b]}).bubble
+    return makespan(actions, list(stage_to_rank), f, b, [x / 2 for x in b])[1]
 
 
 def pipeline_warning(program: Program, cuts: list[tuple[str, str]], plan: Plan, setup,
