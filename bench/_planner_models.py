@@ -96,7 +96,7 @@ PLANS = [
     ("swa", "tp=2"),
     ("swa", "pp=2,microbatches=4,schedule=zbv,virtual_stages=2"),
     ("swa", "tp=4"),
-    ("swa", "dp=4,zero=2,dp_replicate=2"),
+    ("swa", "dp=4,zero=3,dp_replicate=2"),
     ("swa", "dp=2,tp=2,recompute=selective"),
     ("tied", "dp=1"),
     ("tied", "dp=2"),

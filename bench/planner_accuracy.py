@@ -363,6 +363,8 @@ def main() -> None:
                     "space for every model and world size with 4 plans or more")
     ap.add_argument("--no-measure", action="store_true", help="only the predictions (and the planner's choices)")
     ap.add_argument("--json", default=None, help="write every number here")
+    ap.add_argument("--measured", default=None, help="read the measured side from an earlier run's --json instead "
+                    "of measuring (to price the same measurements again after a change of the cost model)")
     ap.add_argument("--write", default=None, help="replace this benchmark's section of this markdown file")
     a = ap.parse_args()
     a.steps = a.steps if a.steps is not None else (2 if a.quick else 5)
@@ -381,7 +383,12 @@ def main() -> None:
         plans = plans + extra
     profile, estimates, choice = run_predicted(plans, a.profile)
     print(f"predicted {len(estimates)} plans in {time.perf_counter() - t0:.1f} s", flush=True)
-    measured = {} if a.no_measure else run_measured(plans, a.steps, a.warmup, a.profile)
+    if a.measured:
+        with open(a.measured) as f:
+            old = json.load(f)["measured"]
+        measured = {(m, p): old[f"{m}:{p}"] for m, p in plans if f"{m}:{p}" in old}
+    else:
+        measured = {} if a.no_measure else run_measured(plans, a.steps, a.warmup, a.profile)
     table = rows(plans, measured, estimates)
     text = markdown(table, choice, profile, a, time.perf_counter() - t0)
     print(text)
