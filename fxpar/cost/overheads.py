@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fxpar.cost.profiles import DeviceProfile
 
-__all__ = ["Overheads", "StepCounts", "overheads", "runtime_fields"]
+__all__ = ["Overheads", "StepCounts", "call_time", "comm_share", "dp_bucket_count", "gather_copy_time", "overheads", "runtime_fields"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,26 @@ class Overheads:
 
 def _per(fixed: float, bw: float, count: float, nbytes: float) -> float:
     return count * fixed + (nbytes / bw if bw else 0.0)
+
+
+def call_time(profile: DeviceProfile, kind: str, nbytes: float) -> float:
+    """One call of fxpar's ``kind`` collective op beyond the raw collective, unshared seconds (0: not measured)."""
+    a, b = profile.collective_call.get(kind, (0.0, 0.0))
+    return a + b * nbytes if a or b else 0.0
+
+
+def gather_copy_time(profile: DeviceProfile, nbytes: float) -> float:
+    """One ZeRO-3 gather's copies beyond its all-gather, unshared seconds (0: not measured)."""
+    fixed, bw = profile.gather_copy
+    return fixed + (nbytes / bw if bw else 0.0) if fixed or bw else 0.0
+
+
+def dp_bucket_count(nbytes: float, first: float = 2**20, size: float = 25 * 2**20) -> int:
+    """Buckets the data-parallel engine makes of ``nbytes`` of gradients (runtime/data_parallel.py: a small
+    first bucket, so that the first all-reduce starts early, then buckets of ``size``)."""
+    if nbytes <= 0:
+        return 0
+    return 1 + (max(0, int(-(-(nbytes - first) // size))) if nbytes > first else 0)
 
 
 def collective_calls_time(profile: DeviceProfile, counts: StepCounts) -> float:

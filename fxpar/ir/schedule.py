@@ -31,6 +31,7 @@ from fxpar.ir.errors import PlanError
 
 KINDS: tuple[str, ...] = ("F", "B", "I", "W")
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "interleaved_zb")
+SPLIT_BACKWARD = frozenset({"zbv", "interleaved_zb"})  # schedules whose backward runs as I and W actions
 
 _ALIASES = {
     "gpipe": "gpipe",
