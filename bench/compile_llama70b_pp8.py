@@ -58,8 +58,8 @@ def main() -> None:
              f"- compile (trace + cost + cuts + split + schedule): {t_compile:.1f} s",
              f"- predicted max/mean stage time: fxpar {ours:.3f}, even layers (torchtitan) {even:.3f}, "
              f"parameter count (PiPPy) {params:.3f}",
-             f"- predicted step {compiled.predicted['step_time']:.2f} s on {compiled.predicted['device']}, "
-             f"bubble {100 * compiled.predicted['bubble']:.1f}%"]
+             f"- predicted step {compiled.predicted.step_time:.2f} s on {compiled.result.predicted['device']}, "
+             f"bubble {100 * compiled.predicted.bubble:.1f}%"]
     lines += boundary_lines(compiled, a.seq, model.config.hidden_size)
     print(report.stage_table())
     print("\n".join(lines))

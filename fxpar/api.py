@@ -23,7 +23,7 @@ from fxpar.cost.predict import annotate_stages
 from fxpar.cost.profiles import DeviceProfile
 from fxpar.frontend.capture import capture_program
 from fxpar.ir.batch import batch_size, split_batch
-from fxpar.ir.errors import PlanError
+from fxpar.ir.errors import FxparError, PlanError
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.optim import ParamGroups
 from fxpar.ir.plan import Plan
@@ -67,9 +67,12 @@ class _Builder:
     """Compiles one input signature for this rank: trace one microbatch, cut, run the passes, predict."""
 
     def __init__(self, model, plan: Plan, mesh: MeshSpec, setup, actions, device, profile: DeviceProfile,
-                 frontend: str, weights: WeightSource | None, groups: ParamGroups | None = None):
+                 frontend: str, weights: WeightSource | None, groups: ParamGroups | None = None,
+                 shape: tuple[int, int] | PlanError | None = None):
         self.model, self.plan, self.mesh, self.setup, self.actions = model, plan, mesh, setup, actions
         self.device, self.profile, self.frontend, self.weights = device, profile, frontend, weights
+        self.shape = shape  # the example batch's (global batch, length), or why it has none
+        self._estimate = None  # what estimate() priced (or the PlanError it raised), once read
         self.dtype = auto.compute_dtype(model, plan)  # what the roofline prices the cuts and stage times in
         self.groups = groups  # the optimizer's parameter groups: ZeRO-3 buckets never mix them
         self.on_meta = any(p.is_meta for p in model.parameters())
@@ -85,6 +88,27 @@ class _Builder:
         from fxpar.frontend.cache import static_cache
 
         return static_cache(self.model, batch, max_len, "meta" if self.on_meta else self.device)
+
+    def estimate(self):
+        """``compiled.predicted``: :func:`fxpar.price` of the plan (the Estimate ``fxpar plan --plan`` prints
+        and the planner ranks) for the example batch's global batch and length, on the profile the cuts were
+        balanced on, computing in bf16 under ``mixed_precision="bf16"`` (else the model's dtype). Priced on
+        the first call, which traces a shortened copy of the model (compile itself never pays for it), then
+        kept; a PlanError where the plan cannot be priced (an example batch without ``[batch, seq]`` tokens)."""
+        if self._estimate is None:
+            try:
+                if not isinstance(self.shape, tuple):
+                    raise PlanError(f"compiled.predicted: no price for this plan: {self.shape}")
+                batch, seq = self.shape
+                self._estimate = auto.price(self.model, self.plan, device=self.profile, global_batch=batch, seq=seq,
+                                            dtype="bf16" if self.plan.mixed_precision == "bf16" else None,
+                                            frontend=self.frontend)
+            except FxparError as e:  # the model's costs could not be read (a trace with token inputs failed)
+                self._estimate = e if isinstance(e, PlanError) else PlanError(
+                    f"compiled.predicted: fxpar.price cannot price this model: {str(e).splitlines()[0]}")
+        if isinstance(self._estimate, PlanError):
+            raise self._estimate
+        return self._estimate
 
     def setup_for(self, batch: int) -> feasibility.PipelineSetup:
         """The pipeline set-up for a global ``batch`` (checked: a PlanError before any communication)."""
@@ -123,8 +147,7 @@ class _Builder:
             self.weights.release({a for info in program.params.values() for a in info.fqns})
         feasibility.check_zero3_ties(plan, feasibility.tied_across_ranks(pipeline, setup.stage_to_rank))
         # priced on this rank's program: after TP its nodes cost their shards (the TP pass prices them)
-        predicted = annotate_stages(local, pipeline, self.cuts, self.profile, self.actions,
-                                    list(setup.stage_to_rank), self.dtype)
+        predicted = annotate_stages(local, pipeline, self.cuts, self.profile, self.dtype)
         return CompileResult(program, local, pipeline, ctx.out.tp, ctx.out.zero3_buckets, predicted, ctx.out.timings)
 
 
@@ -267,7 +290,11 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
     if plan.zero == 3 and source is None and not dry and _materialised(model):
         # ZeRO-3 holds only its shards: the model's tensors are read as weights= would be, and freed
         source = WeightSource.taking(model, rank=mesh.tp_rank)
-    builder = _Builder(model, plan, mesh, setup, actions, device, profile, frontend, source, groups)
+    try:  # the example batch's shape, for compiled.predicted (priced when read)
+        shape = auto.example_shape(example_args, example_kwargs)
+    except PlanError as e:
+        shape = e
+    builder = _Builder(model, plan, mesh, setup, actions, device, profile, frontend, source, groups, shape)
     if plan.ep > 1:  # the experts are found on the first trace, checked before any communication
         program = _check_experts(builder, plan, flat, example_args, example_kwargs, program, weights)
     dp_axis = "dp_shard" if plan.zero else "dp_replicate"

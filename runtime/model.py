@@ -240,8 +240,8 @@ class CompiledModel:
         return self._train.tp
 
     @property
-    def predicted(self) -> dict:
-        return self._train.predicted
+    def predicted(self):  # fxpar.price's Estimate of the plan for the example batch, priced on first read
+        return self._build.estimate()
 
     @property
     def zero3_buckets(self) -> dict[int, list]:

@@ -45,7 +45,7 @@ def cmd_plan(args) -> int:
     for w in caught:
         print(f"fxpar: warning: {w.message}", file=sys.stderr)
     report = fxpar.inspect(priced, quiet=True)
-    estimate = _estimate(model, plan, profile, args)
+    estimate = _estimate(model, plan, profile, args, priced)
     if getattr(args, "json", False):
         data = report.to_dict()
         data["estimate"] = dataclasses.asdict(estimate) if not isinstance(estimate, str) else {"error": estimate}
@@ -79,14 +79,18 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _estimate(model, plan, profile, args):
+def _estimate(model, plan, profile, args, priced):
     """The plan's :func:`fxpar.price` (the Estimate ``--auto`` ranks plans by) for ``--global-batch`` (else
-    ``--batch``) sequences of ``--seq`` tokens on the profile, or why there is none, in words."""
+    ``--batch``) sequences of ``--seq`` tokens on the profile, or why there is none, in words: the built
+    plan's ``predicted`` (the step the stage table shows) unless ``--global-batch`` or ``--dtype`` ask for
+    another batch or dtype."""
     import fxpar
 
     batch = args.global_batch if getattr(args, "global_batch", None) is not None else args.batch
     dtype = "bf16" if plan.mixed_precision == "bf16" else getattr(args, "dtype", None)
     try:
+        if batch == args.batch and dtype == ("bf16" if plan.mixed_precision == "bf16" else None):
+            return priced.predicted
         return fxpar.price(model, plan, device=profile, global_batch=batch, seq=args.seq, dtype=dtype)
     except fxpar.PlanError as e:
         return f"estimate: none ({e})"

@@ -1,4 +1,4 @@
-"""Predictions for a split program: per-stage times and bytes, the schedule's step time and bubble,
+"""Predictions for a split program: per-stage times and bytes (the step's price is fxpar.cost.estimate's),
 and the activations a rank holds for backward under each recompute policy (the memory it holds for
 parameters, gradients and optimizer states: :func:`fxpar.cost.memory.state_bytes`).
 
@@ -15,9 +15,8 @@ import torch.fx
 
 from fxpar.cost.partition import candidate_modules, cut_positions, stage_costs
 from fxpar.cost.profiles import DeviceProfile
-from fxpar.cost.roofline import transfer_time
 from fxpar.cost.saved import MATMUL_LIKE, SavedTensors
-from fxpar.cost.schedule import makespan, walk
+from fxpar.cost.schedule import walk
 from fxpar.ir import meta
 from fxpar.ir.analysis import grad_flow
 from fxpar.ir.program import Program
@@ -27,20 +26,16 @@ from fxpar.ir.stage import PipelineProgram
 RECOMPUTE = ("none", "layer", "selective")
 
 
-def annotate_stages(traced, pipeline: PipelineProgram, cuts, profile: DeviceProfile, actions,
-                    stage_to_rank: list[int], dtype: str = "fp32") -> dict:
-    """Fill each stage's predicted times and boundary bytes (``profile`` computing in ``dtype``); the
-    schedule's predicted step and bubble."""
+def annotate_stages(traced, pipeline: PipelineProgram, cuts, profile: DeviceProfile, dtype: str = "fp32") -> dict:
+    """Fill each stage's predicted times and boundary bytes (``profile`` computing in ``dtype``); returns the
+    profile's name. The step's price (its time, bubble, memory) is the plan's :class:`~fxpar.cost.estimate.Estimate`
+    (``compiled.predicted``), not a sum of these stage times."""
     units = cut_positions(traced, candidate_modules(traced))
     for spec, cost in zip(pipeline.stages, stage_costs(traced, cuts, profile, dtype)):
         spec.fwd_time, spec.bwd_time, spec.transfer_time = cost.fwd, cost.bwd, cost.transfer
         spec.modules = [m for pos, m in units.items() if cost.start <= pos < cost.end]
         spec.recv_bytes, spec.send_bytes = cost.recv_bytes, cost.send_bytes
-    f = [s.fwd_time for s in pipeline.stages]
-    b = [s.bwd_time for s in pipeline.stages]
-    comm = max((transfer_time(profile, s.send_bytes) for s in pipeline.stages), default=0.0)
-    step, bubble = makespan(actions, stage_to_rank, f, b, [x / 2 for x in b], comm)
-    return {"step_time": step, "bubble": bubble, "device": profile.name}
+    return {"device": profile.name}
 
 
 _NUMBERED = re.compile(r"^(.*?\.\d+)(\.|$)")

@@ -105,5 +105,5 @@ class CompileResult:
     pipeline: PipelineProgram
     tp: object = None  # the TP pass's result (TpResult: which parameters it sharded, their layouts)
     zero3_buckets: dict[int, list] = field(default_factory=dict)  # stage -> its ZeRO-3 buckets
-    predicted: dict = field(default_factory=dict)  # step time, bubble, device (fxpar.cost.predict)
+    predicted: dict = field(default_factory=dict)  # the profile the stage times are for (fxpar.cost.predict)
     timings: list[tuple[str, float]] = field(default_factory=list)  # (pass, seconds) in the order run

@@ -13,7 +13,7 @@ from fxpar.report import budget
 from fxpar.report.collectives import collective_rows, format_collective_rows
 from fxpar.report.graph import graph_text, module_text, partition_dot, write_dot, write_picture
 from fxpar.report.kernels import format_kernel_rows, kernel_rows
-from fxpar.report.stages import format_stage_table, stage_rows
+from fxpar.report.stages import format_stage_table, predicted_step, stage_rows
 from fxpar.report.table import ModuleRow, format_rows, human, module_rows, select_rows
 from fxpar.report.tp_coverage import coverage_of
 
@@ -36,7 +36,7 @@ class Report:
 
     def stage_table(self) -> str:
         c = self.compiled
-        return format_stage_table(self.stages, getattr(c, "predicted", None), c.schedule_name, c.m)
+        return format_stage_table(self.stages, predicted_step(c), c.schedule_name, c.m)
 
     def collectives(self) -> list[dict]:
         """Per layer: collectives of this rank's program in forward and backward, and their bytes."""
@@ -184,7 +184,7 @@ class Report:
             "pictures": [str(x) for x in self.pictures],
             "activations": self.activations(),
             **({"plan": self.compiled.plan.to_dict(), "cuts": [list(c) for c in self.compiled.cuts],
-                "stages": self.stages, "predicted": getattr(self.compiled, "predicted", None),
+                "stages": self.stages, "predicted": predicted_step(self.compiled),
                 "collectives": self.collectives(), "data_parallel": self.data_parallel(),
                 "flops": budget.stage_flops(self.compiled), "communication": self.communication(),
                 "kernels": self.kernels(),

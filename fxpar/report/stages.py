@@ -1,11 +1,13 @@
 """The stage table of a pipelined program: what each stage runs, holds, costs and sends.
 
 Reads the :class:`~fxpar.ir.stage.PipelineProgram` (routing tables and the predicted per-microbatch
-times the compiler wrote on each stage) and node ``val`` for boundary tensors.
+times the compiler wrote on each stage), node ``val`` for boundary tensors, and the plan's price
+(``compiled.predicted``) for its step.
 """
 
 from __future__ import annotations
 
+from fxpar.ir.errors import FxparError
 from fxpar.ir.stage import PipelineProgram, StageSpec
 from fxpar.report.graph import describe_val
 from fxpar.report.table import columns, human
@@ -63,6 +65,21 @@ def _secs(s: float) -> str:
     return f"{s * 1e3:.2f}ms" if s >= 1e-3 else f"{s * 1e6:.1f}us"
 
 
+def predicted_step(compiled) -> dict | None:
+    """What the stage table says of the compiled plan's price (``compiled.predicted``, the plan's
+    :class:`~fxpar.cost.estimate.Estimate`): the profile, step time and its parts, bubble, memory per rank,
+    MFU; with ``error`` instead where the plan has no price (the reason). None for an object without one."""
+    if not hasattr(type(compiled), "predicted"):
+        return None
+    device = getattr(getattr(compiled, "result", None), "predicted", {}).get("device")
+    try:
+        e = compiled.predicted
+    except FxparError as err:
+        return {"device": device, "error": str(err).splitlines()[0]}
+    return {"device": device, "step_time": e.step_time, "bubble": e.bubble, "parts": dict(e.parts),
+            "memory": dict(e.memory), "comm_bytes": dict(e.comm_bytes), "mfu": e.mfu, "fits": e.fits}
+
+
 def format_stage_table(rows: list[dict], predicted: dict | None = None, schedule: str = "",
                        microbatches: int = 0) -> str:
     """The stage table: ``pp rank`` is the pipeline rank that runs a stage (its coordinate on the mesh's
@@ -82,7 +99,9 @@ def format_stage_table(rows: list[dict], predicted: dict | None = None, schedule
     totals = [r["fwd_s"] + r["bwd_s"] + r["transfer_s"] for r in rows]
     text.append(f"\nslowest stage / mean: {max(totals) / (sum(totals) / len(totals)):.3f} (per microbatch, "
                 "fwd + bwd + transfer)")
-    if predicted:
+    if predicted and "error" in predicted:
+        text.append(f"predicted {schedule} step: none ({predicted['error']})")
+    elif predicted:  # the plan's Estimate (fxpar.price): the number `fxpar plan` and the planner give
         text.append(f"predicted {schedule} step with {microbatches} microbatches on {predicted['device']}: "
                     f"{_secs(predicted['step_time'])}, bubble {100 * predicted['bubble']:.1f}%")
     text.append("bytes per boundary per microbatch (forward; gradients come back the same way where one flows):")

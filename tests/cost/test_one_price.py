@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 
 import fxpar
 from fxpar import zoo
@@ -42,3 +43,24 @@ def test_price_equals_the_planners_estimate_for_every_plan_of_the_table(name, wo
 def test_price_refuses_a_world_the_plan_does_not_make():
     with pytest.raises(PlanError, match="world=8 but the plan's degrees make 4"):
         fxpar.price(zoo.build("llama"), "dp=2,tp=2", world=8, device="cpu", global_batch=8, seq=16)
+
+
+def test_compiled_predicted_is_the_plans_price_priced_only_when_read(monkeypatch):
+    """A built plan's ``predicted`` is ``fxpar.price`` of that plan for the example batch (its global batch
+    and length) on the profile compile was given; building it prices nothing, reading it prices once."""
+    from fxpar import auto
+    from fxpar.api import price as build
+
+    calls = []
+    real = auto.price
+    monkeypatch.setattr(auto, "price", lambda *a, **k: calls.append(k) or real(*a, **k))
+    model = zoo.build("llama", seed=0)
+    plan = "dp=2,pp=2,zero=1"
+    built = build(model, plan, example_kwargs=zoo.example_inputs("llama", model, batch=8, seq=8),
+                  profile="h100-80gb", optimizer=lambda ps: torch.optim.AdamW(ps))
+    assert calls == []  # compile itself does not pay for the price
+    got = built.predicted
+    assert isinstance(got, Estimate) and built.predicted is got and len(calls) == 1
+    want = real(model, plan, device="h100-80gb", global_batch=8, seq=8)
+    assert got == want and _numbers(got) == _numbers(want)
+    assert f"microbatches on h100-80gb: {want.step_time * 1e3:.2f}ms" in fxpar.inspect(built, quiet=True).to_text()
