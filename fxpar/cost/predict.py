@@ -1,6 +1,7 @@
 """Predictions for a split program: per-stage times and bytes (the step's price is fxpar.cost.estimate's),
-and the activations a rank holds for backward under each recompute policy (the memory it holds for
-parameters, gradients and optimizer states: :func:`fxpar.cost.memory.state_bytes`).
+and the activations a rank holds for backward under each recompute policy (the rule:
+:mod:`fxpar.cost.activations`; the memory it holds for parameters, gradients and optimizer states:
+:func:`fxpar.cost.memory.state_bytes`).
 
 Pure functions of the program, the plan and a device profile; the compile wiring calls them, and so can
 a planner pricing plans it never builds.
@@ -8,22 +9,19 @@ a planner pricing plans it never builds.
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.fx
 
+from fxpar.cost.activations import RECOMPUTE, stage_activations
 from fxpar.cost.partition import candidate_modules, cut_positions, stage_costs
 from fxpar.cost.profiles import DeviceProfile
-from fxpar.cost.saved import MATMUL_LIKE, SavedTensors
+from fxpar.cost.saved import SavedTensors
 from fxpar.cost.schedule import walk
 from fxpar.ir import meta
 from fxpar.ir.analysis import grad_flow
 from fxpar.ir.program import Program
 from fxpar.ir.schedule import Action
 from fxpar.ir.stage import PipelineProgram
-
-RECOMPUTE = ("none", "layer", "selective")
 
 
 def annotate_stages(traced, pipeline: PipelineProgram, cuts, profile: DeviceProfile, dtype: str = "fp32") -> dict:
@@ -36,63 +34,6 @@ def annotate_stages(traced, pipeline: PipelineProgram, cuts, profile: DeviceProf
         spec.modules = [m for pos, m in units.items() if cost.start <= pos < cost.end]
         spec.recv_bytes, spec.send_bytes = cost.recv_bytes, cost.send_bytes
     return {"device": profile.name}
-
-
-_NUMBERED = re.compile(r"^(.*?\.\d+)(\.|$)")
-
-
-def _layer(program: Program, module: str) -> str | None:
-    """The decoder layer a module belongs to (``model.layers.3``), or None outside the layer container."""
-    container = program.info.layer_container
-    if container:
-        if module.startswith(container + "."):
-            return container + "." + module[len(container) + 1:].split(".")[0]
-        return None
-    m = _NUMBERED.match(module)
-    return m.group(1) if m else None
-
-
-def stage_activations(program: Program, nodes: set[str] | None = None) -> dict[str, tuple[int, int]]:
-    """Activation bytes one microbatch of the nodes named ``nodes`` (a pipeline stage; None: all) holds
-    for backward, per recompute policy: ``{policy: (kept, transient)}``, kept from the forward to the
-    backward, and transient: recomputed in backward, one decoder layer at a time.
-
-    * ``none``: every tensor autograd saves (:class:`~fxpar.cost.saved.SavedTensors`), each storage once;
-    * ``layer``: each decoder layer keeps only its inputs; its saved tensors are recomputed;
-    * ``selective``: layers also keep what matrix products and attention make (outputs, log-sum-exp);
-      the cheap ops' saved tensors are recomputed.
-
-    Ops outside decoder layers (embedding, final norm, head, loss) keep what they save under every policy.
-    """
-    saved = SavedTensors(program)
-    outside: dict[object, int] = {}
-    per_layer: dict[str, dict[object, int]] = {}
-    inputs: dict[object, int] = {}
-    matmul: dict[object, int] = {}
-    for node in program.graph.nodes:
-        if node.op != "call_function" or (nodes is not None and node.name not in nodes):
-            continue
-        layer = _layer(program, node.meta.get(meta.MODULE, ""))
-        for kept in saved.of(node):
-            (per_layer.setdefault(layer, {}) if layer else outside)[kept.key] = kept.nbytes
-            p = kept.producer
-            if layer and p is not None and getattr(p.target, "overloadpacket", None) in MATMUL_LIKE:
-                matmul[kept.key] = kept.nbytes
-        if layer:
-            for a in node.all_input_nodes:
-                made = a.op == "call_function" and _layer(program, a.meta.get(meta.MODULE, "")) == layer
-                for kept in ([] if made else saved.value(a)):
-                    inputs[kept.key] = kept.nbytes
-
-    def policy(keep: dict[object, int]) -> tuple[int, int]:
-        held = {**outside, **keep}
-        transient = max((sum(b for k, b in saves.items() if k not in held) for saves in per_layer.values()),
-                        default=0)
-        return sum(held.values()), transient
-
-    every = {k: b for saves in per_layer.values() for k, b in saves.items()}
-    return {"none": policy(every), "layer": policy(inputs),
-            "selective": policy({**inputs, **{k: b for k, b in matmul.items() if k in every}})}
 
 
 def peak_activations(per_stage: dict[int, tuple[int, int]], actions: list[Action]) -> int:

@@ -8,10 +8,10 @@ tensor-parallel pass on the trace for each degree (with and without sequence par
 ``fxpar.compile`` would, and reads each part off the rewritten graph: per node its FLOPs and bytes
 (:mod:`fxpar.cost.flops`, on this rank's shapes), the parameters this rank holds, the TP collectives
 (:mod:`fxpar.cost.comm`), the activations kept for backward per recompute policy
-(the rules of :func:`fxpar.cost.predict.stage_activations`, masks and rotary tables counted once) and
+(:func:`fxpar.cost.activations.part_activations`, masks and rotary tables counted once) and
 the bytes a pipeline cut after the part sends.
 
-Nodes belong to the decoder layer that owns their module (``fxpar.cost.predict._layer``); nodes outside
+Nodes belong to the decoder layer that owns their module (``fxpar.cost.activations.layer_of``); nodes outside
 the layers are "pre" before the first layer and "post" after the last; a node outside every layer that
 runs between two layers goes with the layer before it. Where the traced layers of one kind do not cost
 the same, or the model has no layer count, the whole model is traced instead (slower, still correct).
@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from fxpar.cost.activations import layer_of, part_activations
 from fxpar.cost.comm import payloads
 from fxpar.cost.partition import candidate_modules, crossing_bytes, cut_positions, top_nodes
-from fxpar.cost.predict import RECOMPUTE, _layer, backward_grads, kept_outputs
+from fxpar.cost.predict import backward_grads, kept_outputs
 from fxpar.cost.roofline import work_time
-from fxpar.cost.saved import MATMUL_LIKE, SavedTensors
 from fxpar.frontend.hf import longest_module_list
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
@@ -138,12 +138,12 @@ def _assign(program: Program) -> tuple[dict[torch.fx.Node, str], dict[torch.fx.N
     (a TP collective that reduces partial sums goes with the part where they begin: the embedding's
     all-reduce, placed at its first reader in layer 0, is the embedding's), and the traced layers in order."""
     nodes = top_nodes(program)
-    layer_of = [_layer(program, n.meta.get(meta.MODULE, "") or "") if n.op == "call_function" else None
-                for n in nodes]
-    order = list(dict.fromkeys(x for x in layer_of if x))
-    last = max((i for i, x in enumerate(layer_of) if x), default=-1)
+    layers = [layer_of(program, n.meta.get(meta.MODULE, "") or "") if n.op == "call_function" else None
+              for n in nodes]
+    order = list(dict.fromkeys(x for x in layers if x))
+    last = max((i for i, x in enumerate(layers) if x), default=-1)
     where, current = {}, "pre"
-    for i, (node, layer) in enumerate(zip(nodes, layer_of)):
+    for i, (node, layer) in enumerate(zip(nodes, layers)):
         if layer:
             current = layer
         where[node] = layer or ("post" if i > last else current)
@@ -223,7 +223,7 @@ def _rank_parts(program: Program, units: bool = False) -> tuple[dict[str, RankPa
         part = assign.get(node, "post")
         for direction, backward in (("fwd", False), ("bwd", True)):
             comm[part].extend((c, int(nb), direction) for c, nb in payloads(kind, node, backward=backward))
-    acts = _activations(program, assign, names)
+    acts = part_activations(program, top_nodes(program), assign, names)
     grads, outs = backward_grads(program, assign), kept_outputs(program, assign)
     parts = {}
     for k in names:
@@ -242,49 +242,6 @@ def _relative(module: str | None, part: str) -> str | None:
 
 def names_of(order: list[str]) -> list[str]:
     return ["pre", *order, "post"]
-
-
-def _activations(program: Program, assign: dict[torch.fx.Node, str], names: list[str]) -> dict[str, dict]:
-    """Per part, ``{policy: (kept, transient)}`` bytes for one sequence, by the rules of
-    :func:`fxpar.cost.predict.stage_activations` (a layer part is one decoder layer, "pre" and "post" keep
-    what they save under every policy), except that the values layers read from outside the layers and
-    no gradient flows through (masks, rotary tables, positions) are one storage every layer shares:
-    counted once, with "pre", instead of once per layer."""
-    saved = SavedTensors(program)
-    held = {k: {} for k in names}  # what each part saves (a layer's: recomputed under "layer")
-    inputs = {k: {} for k in names}  # what a layer reads from outside itself
-    matmul = {k: {} for k in names}  # what a layer's matrix products and attention make and keep
-    shared: dict[str, dict] = {"saved": {}, "inputs": {}}
-
-    def context(kept) -> bool:
-        p = kept.producer
-        return p is None or (p not in saved.flows and assign.get(p, "pre") in ("pre", "post"))
-
-    for node in top_nodes(program):
-        part = assign[node]
-        layer = part not in ("pre", "post")
-        for kept in saved.of(node):
-            if layer and context(kept):
-                shared["saved"][kept.key] = kept.nbytes
-                continue
-            held[part][kept.key] = kept.nbytes
-            if layer and kept.producer is not None and \
-                    getattr(kept.producer.target, "overloadpacket", None) in MATMUL_LIKE:
-                matmul[part][kept.key] = kept.nbytes
-        for a in node.all_input_nodes if layer else ():
-            for kept in ([] if a.op == "call_function" and assign.get(a) == part else saved.value(a)):
-                (shared["inputs"] if context(kept) else inputs[part])[kept.key] = kept.nbytes
-    out = {}
-    for k in names:
-        if k in ("pre", "post"):
-            extra = {"none": shared["saved"], "layer": shared["inputs"],
-                     "selective": shared["inputs"]} if k == "pre" else {}
-            out[k] = {p: (sum({**held[k], **extra.get(p, {})}.values()), 0) for p in RECOMPUTE}
-            continue
-        every = held[k]
-        keep = {"none": every, "layer": inputs[k], "selective": {**inputs[k], **matmul[k]}}
-        out[k] = {p: (sum(h.values()), sum(b for key, b in every.items() if key not in h)) for p, h in keep.items()}
-    return out
 
 
 def _alike(a: RankPart, b: RankPart) -> bool:
