@@ -10,7 +10,8 @@ balancing and stage times of :mod:`fxpar.cost.partition`, the planner's per-part
   FLOPs over the matmul rate and its bytes over the memory bandwidth (backward: its backward FLOPs and
   twice the bytes); what the cuts are balanced by, so compile and the planner weigh stages alike;
 * :func:`work_time`: the same with the per-op overhead, the elementwise rate for ops that are not matrix
-  products, and first touch of new outputs: the planner's predicted step time;
+  products, and first touch of new outputs: the planner's predicted step time (:func:`work_terms`: the
+  same by term, for ``fxpar calibrate --reference``'s fit);
 * :func:`transfer_time`: one point-to-point message between pipeline neighbours on the inter-node link.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from fxpar.ir.meta import NodeCost
 
-__all__ = ["is_matmul", "node_time", "roofline", "transfer_time", "work_time"]
+__all__ = ["is_matmul", "node_time", "roofline", "transfer_time", "work_terms", "work_time"]
 
 
 def roofline(profile, flops: float, bwd_flops: float, nbytes: float, dtype: str) -> tuple[float, float]:
@@ -50,6 +51,22 @@ def work_time(profile, flops: float, bwd_flops: float, nbytes: float, out_bytes:
     fwd = profile.compute_time(flops, nbytes, dtype, ops=1, matmul=mm) + fresh
     bwd = profile.compute_time(bwd_flops, 2 * nbytes, dtype, ops=2, matmul=mm) + fresh if bwd_flops else 0.0
     return fwd, bwd
+
+
+def work_terms(profile, flops: float, bwd_flops: float, nbytes: float, out_bytes: float, dtype: str) -> dict:
+    """:func:`work_time`'s forward + backward seconds of one op, by term: ``"matmul"`` or ``"elementwise"``
+    (its roofline, by :func:`is_matmul`), ``"fresh_matmul"`` or ``"fresh_elementwise"`` (first touch of its
+    output and gradients) and ``"overhead"`` (its launches): what a fit to a measured step compares."""
+    mm = is_matmul(flops, nbytes)
+    kind = "matmul" if mm else "elementwise"
+    fresh = profile.fresh_time(out_bytes) if out_bytes else 0.0
+    got = {kind: 0.0, "fresh_" + kind: 0.0, "overhead": 0.0}
+    for f, moved, ops in ((flops, nbytes, 1), (bwd_flops, 2 * nbytes, 2 if bwd_flops else 0)):
+        if ops:
+            got[kind] += profile.compute_time(f, moved, dtype, matmul=mm)
+            got["fresh_" + kind] += fresh
+            got["overhead"] += ops * profile.op_overhead
+    return got
 
 
 def transfer_time(profile, nbytes: float) -> float:

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from fxpar.cost.roofline import work_terms
+
 # a small decoder of ordinary proportions: 8 heads of 64, GQA 2:1, SwiGLU MLP of 2.7x, a 16K vocabulary
 REFERENCE = dict(vocab_size=16384, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
@@ -66,19 +68,16 @@ def reference_step(steps: int = 3) -> dict:
 
 
 def _predicted(profile, costs) -> dict:
-    """The reference step priced as :meth:`~fxpar.planner.model_costs.RankPart.time` prices it, in parts:
-    matrix products, elementwise ops, first touch of new outputs (of each), and op launches."""
+    """The reference step priced as :meth:`~fxpar.planner.model_costs.RankPart.time` prices it, in parts
+    (:func:`fxpar.cost.roofline.work_terms`): matrix products, elementwise ops, first touch of new outputs
+    (of each), and op launches."""
     got = dict.fromkeys(("matmul", "elementwise", "fresh_matmul", "fresh_elementwise", "overhead"), 0.0)
     for name in ["pre", *costs.layers, "post"]:
         for f, b, act, weight, *out in costs.part(name, 1, False).nodes:
-            moved = act * BATCH + weight
-            kind = "matmul" if f * BATCH >= moved else "elementwise"
-            fresh = profile.fresh_time(out[0] * BATCH) if out else 0.0
-            for flops, nbytes, n in ((f * BATCH, moved, 1), (b * BATCH, 2 * moved, 2 if b else 0)):
-                if n:
-                    got[kind] += profile.compute_time(flops, nbytes, costs.dtype, matmul=kind == "matmul")
-                    got["fresh_" + kind] += fresh
-                    got["overhead"] += n * profile.op_overhead
+            terms = work_terms(profile, f * BATCH, b * BATCH, act * BATCH + weight, out[0] * BATCH if out else 0.0,
+                               costs.dtype)
+            for k, t in terms.items():
+                got[k] += t
     return got
 
 
