@@ -24,10 +24,10 @@ thousands of plans in seconds; :func:`price_plan` prices one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from fxpar.cost.comm import sent_bytes as _sent
-from fxpar.cost.data_parallel import DpGroups, sent_bytes
+from fxpar.cost.experts import check_ep, dp_sent, ep_comm, ep_groups, ep_part_of, variant_part
 from fxpar.cost.memory import activation_peaks, per_rank
 from fxpar.cost.roofline import is_matmul, work_time
 from fxpar.cost.schedule import EXACT_LIMIT, critical_path, n_actions
@@ -35,6 +35,7 @@ from fxpar.cost.stages import Segments
 from fxpar.ir import schedule as sched
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
+from fxpar.ir.wire import INT8_BLOCK
 
 __all__ = ["Estimate", "Pricer", "price_plan"]
 
@@ -90,15 +91,16 @@ class Pricer:
         self._stage_cache: dict = {}
 
     # ---- per part --------------------------------------------------------------------------------
-    def kind(self, name: str, tp: int, sp: bool, b: int, recompute: str, world: int, dtype: str) -> tuple:
-        """(fwd, bwd incl. recompute, weight-grad, tp fwd, tp bwd, params, kept, transient, out, outputs) of
-        one part; transient: what its backward adds on top of the kept activations (the recomputed forward
+    def kind(self, name: str, tp: int, sp: bool, b: int, recompute: str, world: int, dtype: str,
+             ep: int = 1, ep_inter: bool = False, fused: bool = False) -> tuple:
+        """(fwd, bwd incl. recompute, weight-grad, tp fwd, tp bwd, params, kept, transient, out, outputs, *ep_comm)
+        of one part; transient: what its backward adds on top of the kept activations (the recomputed forward
         and the gradients alive at once); outputs: the program's outputs it makes, kept to the step's end."""
-        key = (name, tp, sp, b, recompute, world, dtype)
+        key = (name, tp, sp, b, recompute, world, dtype, ep, ep_inter, fused)
         got = self._kinds.get(key)
         if got is not None:
             return got
-        part = self.costs.part(name, tp, sp)
+        part = variant_part(self.costs, self._kinds, name, tp, sp, ep, fused)
         p = self.profile
         share = p.share(min(world, p.ranks_per_node))
         fwd, bwd = part.time(p, b, dtype)
@@ -115,35 +117,37 @@ class Pricer:
             tb += tf  # the recomputed forward runs its collectives again
         act = part.act.get(recompute) or part.act.get("none") or (0, 0)
         got = ((fwd) / share, (bwd + extra) / share, bwd / 2 / share, tf, tb, part.params,
-               act[0] * b, (act[1] + part.grad_bytes) * b, part.out_bytes * b, part.kept_out * b)
+               act[0] * b, (act[1] + part.grad_bytes) * b, part.out_bytes * b, part.kept_out * b,
+               *ep_comm(p, part, ep, b, ep_inter, recompute == "layer" and name not in ("pre", "post")))
         self._kinds[key] = got
         return got
 
     def plan_cuts(self, plan: Plan) -> list[str | None]:
         """The modules where ``plan``'s stages 2.. begin: the cuts ``fxpar.compile`` makes for it."""
         _, v, m = self.check(plan)
-        return self.segs.modules(plan.pp * v, self.batch // (plan.dp * m), self.dtype(plan))
+        return self.segs.modules(plan.pp * v, self.batch // (plan.replicas * m), self.dtype(plan))
 
     def dtype(self, plan: Plan) -> str:
         """What ``plan``'s step computes in: bf16 under autocast, else the costs' dtype."""
         return "bf16" if plan.mixed_precision == "bf16" else self.costs.dtype
 
-    def _stages(self, n_stages: int, tp: int, sp: bool, b: int, rc: str, world: int, dtype: str) -> dict[str, list]:
-        """Per stage of the balanced cuts: compute, TP comm, params, activations, outputs (cached)."""
-        key = (n_stages, tp, sp, b, rc, world, dtype)
+    def _stages(self, n_stages: int, tp: int, sp: bool, b: int, rc: str, world: int, dtype: str,
+                var: tuple = (1, False, False)) -> dict[str, list]:
+        """Per stage of the balanced cuts: compute, TP comm, params, activations, outputs, EP (cached; ``var``: _variant)."""
+        key = (n_stages, tp, sp, b, rc, world, dtype, var)
         got = self._stage_cache.get(key)
         if got is not None:
             return got
         got = {k: [] for k in ("F", "B", "W", "tf", "tb", "params", "kept", "trans", "outs", "tpsent", "big",
-                                "kout", "bigt")}
+                                "kout", "bigt", "ef", "eb", "eparams", "esent")}
         bounds = self.segs.cuts(n_stages, b, dtype)
         for s, e in bounds:
             units: dict[int, float] = {}  # part -> its share in the stage (two halves of a layer: whole)
             for i, f in self.units[s:e]:
                 units[i] = units.get(i, 0.0) + f
-            ks = [(self.kind(self.names[i], tp, sp, b, rc, world, dtype), f) for i, f in units.items()]
+            ks = [(self.kind(self.names[i], tp, sp, b, rc, world, dtype, *var), f) for i, f in units.items()]
             for name, i in (("F", 0), ("B", 1), ("W", 2), ("tf", 3), ("tb", 4), ("params", 5), ("kept", 6),
-                            ("kout", 9)):
+                            ("kout", 9), ("ef", 10), ("eb", 11), ("eparams", 12), ("esent", 13)):
                 got[name].append(sum(k[i] * f for k, f in ks))
             got["trans"].append(max(k[7] for k, _ in ks))
             # what a cut after the stage sends: at a part's end the part's bytes (on this tp), mid-part the
@@ -154,15 +158,8 @@ class Pricer:
             got["big"].append(max(k[5] for k, _ in ks))
             itemsize = 2 if self.costs.dtype in ("bf16", "fp16") else 4  # entries of the largest weight
             got["bigt"].append(max(self.costs.part(self.names[i], tp, sp).largest_weight() for i in units) // itemsize)
-            got["tpsent"].append(sum(self._tp_sent(self.names[i], tp, sp, b) * f for i, f in units.items()))
+            got["tpsent"].append(sum(_tp_sent(self, self.names[i], tp, sp, b) * f for i, f in units.items()))
         self._stage_cache[key] = got
-        return got
-
-    def _tp_sent(self, name: str, tp: int, sp: bool, b: int) -> float:
-        key = ("sent", name, tp, sp, b)
-        got = self._kinds.get(key)
-        if got is None:
-            got = self._kinds[key] = sum(_sent(kind, nb * b, tp) for kind, nb, _ in self.costs.part(name, tp, sp).comm)
         return got
 
     # ---- the plan --------------------------------------------------------------------------------
@@ -178,11 +175,12 @@ class Pricer:
         name = sched.normalize_schedule(plan.schedule)
         v = sched.stages_per_rank(name, plan.virtual_stages)
         m = sched.microbatches(plan)
-        if self.batch % (plan.dp * m):
-            raise PlanError(f"fxpar.planner.price: global batch {self.batch} does not divide into dp={plan.dp} x "
-                            f"{m} microbatches; pick microbatches dividing {self.batch // plan.dp}"
-                            if self.batch % plan.dp == 0 else
-                            f"fxpar.planner.price: global batch {self.batch} is not a multiple of dp={plan.dp}")
+        dp = plan.replicas  # data replicas: dp x ep
+        if self.batch % (dp * m):
+            raise PlanError(f"fxpar.planner.price: global batch {self.batch} does not divide into {dp} replicas x "
+                            f"{m} microbatches; pick microbatches dividing {self.batch // dp}" if self.batch % dp == 0
+                            else f"fxpar.planner.price: global batch {self.batch} is not a multiple of dp={dp}")
+        check_ep(c, plan.ep)
         if plan.pp * v > len(self.points) + 1:
             raise PlanError(f"fxpar.planner.price: {plan.pp} x {v} stages but the model offers {len(self.points)} "
                             f"cut points ({len(c.layers)} layers, their children, pre and post); "
@@ -193,21 +191,24 @@ class Pricer:
     def price(self, plan: Plan, exact: bool | None = None) -> Estimate:
         name, v, m = self.check(plan)
         p, c = self.profile, self.costs
-        world, pp, tp, dp = plan.world_size, plan.pp, plan.tp, plan.dp
+        world, pp, tp, dp = plan.world_size, plan.pp, plan.tp, plan.replicas
         b = self.batch // (dp * m)
         sp, rc = plan.sequence_parallel, plan.recompute
         n_stages = pp * v
-        # HSDP: the shard group and the replica group, each on the link its ranks need (fxpar.cost.data_parallel)
-        groups = DpGroups.of(plan, lambda stride, size: _spans_nodes(world, p.ranks_per_node, stride, size))
-        gbytes = 1 if plan.comm_dtype else (2 if plan.mixed_precision == "bf16" else 4)
+        # HSDP: the shard group and the replica group, each on the link its ranks need (fxpar.cost.data_parallel);
+        # ep: dense parameters over the dp x ep replicas (dplan), the expert slices over dp (experts)
+        dplan, groups, experts = ep_groups(plan, partial(_spans_nodes, world, p.ranks_per_node))
+        gbytes = 1 + 4 / INT8_BLOCK if plan.comm_dtype else (2 if plan.mixed_precision == "bf16" else 4)
         dtype = self.dtype(plan)
-        st = self._stages(n_stages, tp, sp, b, rc, world, dtype)
+        st = self._stages(n_stages, tp, sp, b, rc, world, dtype, _variant(self, plan))
         params, kept, trans, outs = st["params"], st["kept"], st["trans"], st["outs"]
         tf, tb = st["tf"], st["tb"]
         if plan.collective_matmul:  # the chunks' collectives hide behind the matmuls
             k = plan.collective_matmul
             tf = [x / k + max(0.0, x - y) for x, y in zip(tf, st["F"])]
             tb = [x / k + max(0.0, x - y) for x, y in zip(tb, st["B"])]
+        if plan.ep > 1:  # the all-to-alls block their rank as TP's collectives do (fxpar.cost.experts)
+            tf, tb = [x + y for x, y in zip(tf, st["ef"])], [x + y for x, y in zip(tb, st["eb"])]
         zf = zb = [0.0] * n_stages
         if plan.zero == 3 and groups.shard > 1:
             zf, zb = _zero3(self, n_stages, tp, sp, b, rc, world, dtype, groups.shard, groups.shard_inter, gbytes,
@@ -227,7 +228,7 @@ class Pricer:
             makespan *= p.share(host) / p.share(busy)
         is_exact = exact if exact is not None else sched_exact(name, pp, m, v)
         mine = _owned(name, pp, n_stages)
-        pkey = ("peaks", n_stages, tp, sp, b, rc, world, dtype, name, pp, m, v, is_exact)
+        pkey = ("peaks", n_stages, tp, sp, b, rc, world, dtype, name, pp, m, v, is_exact, _variant(self, plan))
         acts = self._stage_cache.get(pkey)
         if acts is None:  # plans differing only in data parallelism share them
             acts = self._stage_cache[pkey] = activation_peaks(name, pp, m, v, mine, kept, trans, st["kout"], params, is_exact)
@@ -238,8 +239,8 @@ class Pricer:
         z3_time = m * sum(z3[s] for s in mine[r0])
         compute = busy[r0] - tp_time - z3_time
         # data parallel: buckets reduce as they fill in the last microbatch's backward
-        dp_exposed, opt_time, worst = per_rank(p, plan, m, mine, params, B, acts, st["big"], groups, gbytes,
-                                                st["bigt"])
+        dp_exposed, opt_time, worst = per_rank(p, dplan, m, mine, params, B, acts, st["big"], groups, gbytes,
+                                                st["bigt"], (st["eparams"], experts) if experts else None)
         # ---- the step's parts are summed here: a "runtime" part (fxpar's own overheads around the ops, priced
         # by fxpar.cost.overheads) joins `step` and `parts` at this point
         step = makespan + dp_exposed + opt_time
@@ -247,10 +248,11 @@ class Pricer:
         idle = max(0.0, makespan - busy[r0] - pp_comm)
         parts = {"compute": compute, "tp_comm": tp_time, "pp_comm": pp_comm, "dp_comm": z3_time + dp_exposed,
                  "bubble": idle, "optimizer": opt_time}
+        ep = ep_part_of(plan, parts, st, mine[r0], m)  # its all-to-alls apart from TP's
         memory = {**worst[1], "activations": int(worst[2]), "buffers": int(worst[3]), "total": int(worst[0])}
         n0 = sum(params[s] for s in mine[r0])
         tp_bytes = m * sum(st["tpsent"][x] for x in mine[r0])
-        inside, across = sent_bytes(plan.zero, n0, m, gbytes, groups) if dp > 1 else (0.0, 0.0)
+        inside, across = dp_sent(plan, n0, sum(st["eparams"][s] for s in mine[r0]), m, gbytes, groups, experts)
         dp_inter = inside * groups.shard_inter + across * groups.replicas_inter  # of it, over inter-node links
         pp_bytes = max(2 * m * sum(outs[s] for s in st if s < n_stages - 1) for st in mine) if pp > 1 else 0
         tokens = self.batch * c.seq
@@ -258,7 +260,7 @@ class Pricer:
         mfu = c.flops_per_token * tokens / (step * world * peak) if step > 0 else 0.0
         fits = memory["total"] <= self.memory
         return Estimate(plan, step, parts, bubble, memory, {"tp": int(tp_bytes), "pp": int(pp_bytes),
-                        "dp": int(inside + across), "dp_inter": int(dp_inter)},
+                        "dp": int(inside + across), "dp_inter": int(dp_inter), **ep},
                         mfu, tokens / step if step > 0 else 0.0, fits,
                         None if fits else f"memory: {gb(memory['total'])} > {gb(self.memory)}", is_exact)
 
@@ -291,6 +293,20 @@ def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbyte
         zb.append(bw)
     self._stage_cache[key] = got = (zf, zb)
     return got
+
+
+def _tp_sent(self: Pricer, name: str, tp: int, sp: bool, b: int) -> float:
+    key = ("sent", name, tp, sp, b)
+    got = self._kinds.get(key)
+    if got is None:
+        got = self._kinds[key] = sum(_sent(kind, nb * b, tp) for kind, nb, _ in self.costs.part(name, tp, sp).comm)
+    return got
+
+
+def _variant(self: Pricer, plan: Plan) -> tuple[int, bool, bool]:
+    """What ``plan`` changes in its parts beyond tp: (ep, whether an ep group spans nodes, fused loss)."""
+    inter = _spans_nodes(plan.world_size, self.profile.ranks_per_node, plan.pp * plan.tp, plan.ep)
+    return plan.ep, inter, bool(plan.fused_loss and self.costs.fused is not None)
 
 
 @lru_cache(maxsize=1024)

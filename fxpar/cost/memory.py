@@ -18,8 +18,8 @@ from fxpar.cost.data_parallel import DpGroups, engine_times
 from fxpar.cost.schedule import moments, peak_activation
 from fxpar.ir.plan import Plan
 
-__all__ = ["ADAM_BYTES", "ADAM_STATES", "BUCKET", "activation_peaks", "moments", "optimizer_transient", "per_rank",
-           "state_bytes", "step_grads"]
+__all__ = ["ADAM_BYTES", "ADAM_STATES", "BUCKET", "activation_peaks", "fused_saving", "moments", "optimizer_transient",
+           "per_rank", "state_bytes", "step_grads"]
 
 ADAM_STATES = 2
 ADAM_BYTES = 28  # AdamW per fp32 entry: reads param, grad, 2 states; writes param, 2 states
@@ -69,8 +69,8 @@ def activation_peaks(name: str, pp: int, m: int, v: int, mine, kept, trans, kout
     return out
 
 
-def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpGroups, gbytes: int,
-              big_tensor) -> tuple:
+def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpGroups, gbytes: float,
+             big_tensor, experts: tuple | None = None) -> tuple:
     """Over the pipeline ranks: the data-parallel time left exposed after the last microbatch's backward
     (buckets reduce as they fill; ZeRO-1/2 then gather the updated shards), the optimizer step, and the
     fullest rank's memory ``(peak, states, activations, buffers)``.
@@ -84,20 +84,31 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
     take their place); ZeRO-3 reduce-scatters each bucket's gradient at once and keeps one gathered
     bucket (the last of the forward, for the backward that starts with it). At the optimizer step the
     activations are gone and every gradient is there, with the optimizer's temporaries
-    (:func:`optimizer_transient`)."""
+    (:func:`optimizer_transient`).
+
+    ``experts`` (expert parallelism): ``(expert entries per stage, their dp group)``: those of ``params``
+    that reduce and shard over that group (``runtime/model.py``'s ``make_engine``), the rest over
+    ``groups``; ``plan.dp`` is then the ``dp x ep`` replicas."""
     dp, pp = plan.dp, plan.pp
     dp_exposed = opt_time = 0.0
     worst: tuple = ()
     per_n: dict[int, tuple] = {}  # ranks holding equal parameter counts share their collectives
     for r in range(pp):
         n = sum(params[s] for s in mine[r])
-        got = per_n.get(n)
+        ne = sum(experts[0][s] for s in mine[r]) if experts else 0
+        got = per_n.get((n, ne))
         if got is None:
-            red, last, gather = engine_times(p, plan.zero, n, groups, BUCKET) if dp > 1 else (0.0, 0.0, 0.0)
-            mem = state_bytes(n, plan.zero, dp, ADAM_STATES, plan.dp_replicate)
+            red, last, gather = engine_times(p, plan.zero, n - ne, groups, BUCKET) if dp > 1 else (0.0, 0.0, 0.0)
+            mem = state_bytes(n - ne, plan.zero, dp, ADAM_STATES, plan.dp_replicate)
+            stepped = (n - ne) // groups.shard if plan.zero else n - ne
+            if ne:  # the expert slices: their own buckets after the dense ones, sharded over their group
+                g = experts[1]
+                red, last, gather = (x + y for x, y in zip((red, last, gather), engine_times(p, plan.zero, ne, g, BUCKET)))
+                mem = {k: v + state_bytes(ne, plan.zero, g.shard, ADAM_STATES)[k] for k, v in mem.items()}
+                stepped += ne // g.shard if plan.zero else ne
             mem["grads"] += step_grads(n, plan.zero, m)
-            opt = p.optimizer_time(n // groups.shard if plan.zero else n, ADAM_BYTES)
-            got = per_n[n] = (red, last, gather, mem, sum(mem.values()), opt)
+            opt = p.optimizer_time(stepped, ADAM_BYTES)
+            got = per_n[(n, ne)] = (red, last, gather, mem, sum(mem.values()), opt)
         red, last, gather, mem, held, opt = got
         if dp > 1:  # (ZeRO-3's gathers are in B; with HSDP its shards' all-reduce follows the backward)
             hidden = sum(B[s] for s in mine[r]) if p.comm_overlaps else 0.0
@@ -135,3 +146,19 @@ def optimizer_transient(p, zero: int, n: int, largest: int, shard: int) -> int:
     if zero in (1, 2):
         largest = max(largest, BUCKET // 4)
     return 2 * 4 * -(-largest // shard)
+
+
+def fused_saving(pricer, plan: Plan) -> tuple[float, float]:
+    """At most the bytes and the seconds ``Plan(fused_loss=True)`` saves ``plan`` (priced by ``pricer``, a
+    :class:`fxpar.cost.estimate.Pricer`): bytes, all that the unfused "post" part (head and loss) keeps,
+    its backward's transient and the outputs it keeps to the step's end for every microbatch; seconds, the
+    unfused part's forward and backward for every microbatch. Bounds read without the fused part, so the
+    search knows whether pricing the fused loss can make a plan fit or win."""
+    from fxpar.ir.schedule import microbatches
+
+    m = microbatches(plan)
+    b = pricer.batch // (plan.replicas * m)
+    post = pricer.costs.part("post", plan.tp, plan.sequence_parallel)
+    kept, trans = max(post.act.values(), key=sum, default=(0, 0))
+    k = pricer.kind("post", plan.tp, plan.sequence_parallel, b, plan.recompute, plan.world_size, pricer.dtype(plan))
+    return b * (kept + trans + post.grad_bytes) + m * b * post.kept_out, m * (k[0] + k[1])

@@ -67,6 +67,7 @@ class RankPart:
     # its start and their gradients' per sequence, the candidate module a stage may begin at or None; in a
     # layer with "{}" for the layer's index, "model.layers.{}.mlp"); empty: unknown
     units: list[tuple[int, int, int, str | None]] = field(default_factory=list)
+    experts: object = None  # its expert layers (fxpar.cost.experts.Experts, tp=1 parts; None: none)
     _times: dict = field(default_factory=dict, repr=False, compare=False)  # (profile id, batch, dtype) -> result
 
     def largest_weight(self) -> int:
@@ -106,6 +107,8 @@ class ModelCosts:
     flops_per_token: float  # fwd + bwd model FLOPs per token (no recompute), for MFU
     traced_layers: int
     sp_allowed: dict[int, str | None] = field(default_factory=dict)  # tp degree -> None if sequence parallel works
+    ep_allowed: str | None = "not read"  # None if Plan(ep > 1) can be priced, else why not
+    fused: object = None  # the fused loss's post part per tp (fxpar.planner.variants.FusedLoss); None: does not fuse
 
     def part(self, name: str, tp: int, sp: bool = False) -> RankPart:
         """Part ``name`` ("pre", a layer kind, "post") at tp degree ``tp``, sequence parallel or not; a
@@ -296,7 +299,11 @@ def model_costs(model: torch.nn.Module, seq: int, *, tp_degrees=(1, 2, 4, 8), se
     fwd_bwd = sum(sum(costs[k][(1, False)].flops) for k in ("pre", "post")) + \
         sum(sum(costs[k][(1, False)].flops) for k in kinds)
     params = sum(p.numel() for p in model.parameters())
-    return ModelCosts(seq, dtype, kinds, costs, params, tp_allowed, fwd_bwd / seq, n_traced, sp_allowed)
+    out = ModelCosts(seq, dtype, kinds, costs, params, tp_allowed, fwd_bwd / seq, n_traced, sp_allowed)
+    from fxpar.planner.variants import add_variants  # (it reads parts as this module does)
+    add_variants(out, program, parts_of, traced, _assign(program)[1], lambda n: _node_rows(program, n, set()),
+                 _rank_parts)
+    return out
 
 
 def _by_kind(parts: dict[str, RankPart], kinds: list[str], traced: dict[str, str]) -> dict[str, RankPart]:

@@ -1,0 +1,129 @@
+"""What expert parallelism (``Plan(ep=N)``) changes in a part's price: the one place it is priced.
+
+Reads a part's costs (:class:`~fxpar.planner.model_costs.RankPart`, read at tp=1 off one trace) and its
+:class:`Experts` (what :func:`fxpar.planner.variants.read_experts` found in the same trace); writes
+nothing. It follows ``passes/expert_parallel.py`` and ``runtime/expert_parallel.py``:
+
+* each ep rank holds ``E / ep`` of every MoE layer's experts: ``1 / ep`` of the expert parameters (their
+  gradients and optimizer states follow them: the expert slices reduce over dp only, every other
+  parameter over the ``dp x ep`` replicas, :func:`fxpar.cost.memory.per_rank`);
+* its experts compute the tokens routed to them from the ``ep`` replicas: with balanced routing as many
+  rows as the layer computes without ep, so the expert FLOPs stay, only the weight bytes they read drop;
+* the routed rows travel by all-to-all: forward ``ep_dispatch`` (the region's entry, ``N x H``) and
+  ``ep_combine`` (its exit), backward the same two the other way, each sending ``(ep - 1) / ep`` of its
+  rows off-rank (:data:`fxpar.cost.comm.RING`), plus one all-gather of the ``E`` per-expert counts
+  (int64) per MoE layer and microbatch;
+* ``ep_dispatch`` writes into a static ``[ep * N, H]`` buffer (a rank may receive every token), and the
+  expert ops after it are shaped by it: what they save for backward is ``ep`` times the tensors of the
+  region without ep (kept under recompute none and selective; recomputed, so transient, under layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fxpar.cost.data_parallel import DpGroups, sent_bytes
+from fxpar.ir.errors import PlanError
+
+__all__ = ["Experts", "check_ep", "dp_sent", "ep_comm", "ep_groups", "ep_part", "ep_part_of", "variant_part"]
+
+COUNT_BYTES = 8  # the per-expert counts are int64
+
+
+@dataclass(frozen=True)
+class Experts:
+    """One part's expert layers, for one sequence (batch 1) at tp=1."""
+
+    n_experts: int  # experts per MoE layer (the smallest, where layers differ)
+    params: int  # expert parameter entries of the part
+    rows: tuple[int, ...]  # indices in the part's ``nodes`` of the ops between dispatch and combine
+    dispatch: int  # bytes of the rows sent to their experts (the regions' entries, summed over the layers)
+    combine: int  # bytes of the rows sent back (the regions' exits, summed)
+    saved: int  # bytes the regions' ops save for backward (summed)
+    layers: int = 1  # MoE layers in the part (each its all-to-alls and counts)
+
+
+def ep_part(part, ex: Experts, ep: int):
+    """``part`` as one of ``ep`` expert-parallel ranks holds and computes it (see the module docstring)."""
+    if ep == 1:
+        return part
+    rows = set(ex.rows)
+    nodes = [(n[0], n[1], n[2], n[3] / ep, *n[4:]) if i in rows else n for i, n in enumerate(part.nodes)]
+    extra = (ep - 1) * ex.saved
+    act = {p: (k + extra, t) if p != "layer" else (k, t + extra) for p, (k, t) in part.act.items()}
+    return replace(part, nodes=nodes, params=part.params - ex.params + ex.params // ep, act=act, _times={})
+
+
+def ep_comm(profile, part, ep: int, batch: int, inter: bool, again: bool) -> tuple[float, float, int, float]:
+    """(forward seconds, backward seconds, expert entries held, bytes this rank sends) of a microbatch of
+    ``batch`` sequences' all-to-alls and counts in ``part``'s MoE layers, over ``ep`` ranks (``inter``: the
+    group spans nodes; ``again``: recompute runs the forward's again in backward)."""
+    ex = part.experts
+    if ep == 1 or ex is None:
+        return 0.0, 0.0, 0, 0.0
+    k = ex.layers
+    a2a = profile.collective_time("all_to_all", ex.dispatch * batch / k, ep, inter) + \
+        profile.collective_time("all_to_all", ex.combine * batch / k, ep, inter)
+    counts = profile.collective_time("all_gather", COUNT_BYTES * ex.n_experts * ep, ep, inter)
+    share = (ep - 1) / ep
+    sent = 2 * share * (ex.dispatch + ex.combine) * batch + k * COUNT_BYTES * ex.n_experts * (ep - 1)
+    fwd = k * (a2a + counts)
+    return fwd, k * a2a + (fwd if again else 0.0), ex.params // ep, sent
+
+
+def check_ep(costs, ep: int) -> None:
+    """PlanError unless ``costs`` can price ``ep`` expert-parallel ranks (expert layers, ``ep`` dividing each
+    one's experts: what ``passes/expert_parallel.py`` checks)."""
+    if ep == 1:
+        return
+    if costs.ep_allowed is not None:
+        raise PlanError(f"fxpar.planner.price: ep={ep} cannot be used: {costs.ep_allowed}")
+    n = [x.n_experts for part in costs.parts.values() if (x := part[(1, False)].experts)]
+    if any(k % ep for k in n):
+        raise PlanError(f"fxpar.planner.price: ep={ep} does not divide the {min(n)} experts of a MoE layer; "
+                        f"pick an ep dividing {min(n)}")
+
+
+def variant_part(costs, cache: dict, name: str, tp: int, sp: bool, ep: int = 1, fused: bool = False):
+    """Part ``name``'s costs as one of ``ep`` expert-parallel ranks holds it (:func:`ep_part`, kept in
+    ``cache``); ``fused``: "post" with the fused loss (``costs.fused``)."""
+    if fused and name == "post":
+        return costs.fused.post(tp, sp)
+    part = costs.part(name, tp, sp)
+    if ep > 1 and part.experts:
+        key = ("ep", name, tp, sp, ep)
+        if key not in cache:
+            cache[key] = ep_part(part, part.experts, ep)
+        part = cache[key]
+    return part
+
+
+def ep_groups(plan, spans) -> tuple:
+    """``(plan as its dense parameters see it, their DpGroups, the expert slices' DpGroups or None)``: with
+    ``ep`` the dense parameters reduce over the ``dp x ep`` replicas, the expert slices over the ``dp`` ranks
+    ``ep x pp x tp`` apart (``fxpar.ir.mesh``). ``spans(stride, size)``: whether such a group crosses nodes."""
+    if plan.ep == 1:
+        return plan, DpGroups.of(plan, spans), None
+    dense = replace(plan, dp=plan.replicas, ep=1)
+    return dense, DpGroups.of(dense, spans), DpGroups(plan.dp, spans(plan.ep * plan.pp * plan.tp, plan.dp))
+
+
+def ep_part_of(plan, parts: dict, st: dict, stages: list[int], m: int) -> dict:
+    """With ep: moves the slowest rank's all-to-all time (``st``'s "ef"/"eb", counted with TP's collectives)
+    from ``parts["tp_comm"]`` to ``parts["ep_comm"]``, and returns ``{"ep": bytes it sends}`` ({} without)."""
+    if plan.ep == 1:
+        return {}
+    parts["ep_comm"] = m * sum(st["ef"][s] + st["eb"][s] for s in stages)
+    parts["tp_comm"] -= parts["ep_comm"]
+    return {"ep": int(m * sum(st["esent"][s] for s in stages))}
+
+
+def dp_sent(plan, n: float, ne: float, m: int, gbytes: float, groups: DpGroups, experts: DpGroups | None):
+    """Data parallelism's bytes one rank sends for ``n`` entries of which ``ne`` are expert slices (over
+    ``experts``), as :func:`fxpar.cost.data_parallel.sent_bytes`' ``(inside the shard group, across replicas)``."""
+    if plan.replicas == 1:
+        return 0.0, 0.0
+    inside, across = sent_bytes(plan.zero, n - ne, m, gbytes, groups)
+    if ne and experts is not None:
+        inside += sent_bytes(plan.zero, ne, m, gbytes, experts)[0]
+    return inside, across

@@ -1,0 +1,100 @@
+"""What two plan options change in a model's costs, read off the same trace as the rest of
+:class:`~fxpar.planner.model_costs.ModelCosts`: the expert layers (``Plan(ep=N)``) and the fused loss
+(``Plan(fused_loss=True)``). Their prices are :mod:`fxpar.cost.experts` and the fused post part's own
+costs; nothing is priced here.
+
+* :func:`read_experts`: per part, the expert regions ``passes/expert_parallel.py`` would cut (found the
+  same way, :func:`~fxpar.passes.expert_parallel.expert_regions`), as an :class:`~fxpar.cost.experts.Experts`.
+* :class:`FusedLoss`: the program after ``passes/fused_loss.py``, whose "post" part (head and loss) is
+  read at each tp degree on first use: the TP pass runs on it only for the degrees a search asks about.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fxpar.cost.experts import Experts
+from fxpar.cost.partition import top_nodes
+from fxpar.cost.saved import SavedTensors
+from fxpar.ir import meta
+from fxpar.ir.errors import PlanError
+from fxpar.ir.numeric import nbytes
+from fxpar.passes.expert_parallel import _descendants, expert_regions
+from fxpar.passes.fused_loss import fuse_loss
+from fxpar.passes.pipeline_split import loss_position
+from fxpar.passes.tensor_parallel import tensor_parallel
+
+__all__ = ["FusedLoss", "add_variants", "read_experts"]
+
+
+def read_experts(program, assign, node_rows) -> tuple[dict[str, Experts], str | None]:
+    """Per part of ``program`` (``assign``: top-level node -> part) with expert layers, its
+    :class:`Experts`; and None, or why ``ep > 1`` cannot be priced (no expert layers, or layers the EP
+    pass refuses). ``node_rows(node)``: the rows a node adds to its part's ``nodes``."""
+    try:
+        regions = expert_regions(program, 1)
+    except PlanError as e:
+        return {}, str(e)
+    first: dict = {}  # node -> its first row in its part
+    count: dict[str, int] = {}
+    for node in top_nodes(program):
+        part = assign[node]
+        first[node] = (part, count.get(part, 0))
+        count[part] = count.get(part, 0) + len(node_rows(node))
+    saved = SavedTensors(program)
+    found: dict[str, dict] = {}
+    for r in regions:
+        inner = (set(r.mms) | _descendants(r.mms)) - _descendants([r.exit])
+        part = assign.get(r.exit)
+        if part is None or any(n in first and first[n][0] != part for n in inner):
+            return {}, f"the experts of {r.layer} are not inside one part of the trace"
+        rows = [first[n][1] + i for n in inner if n in first for i in range(len(node_rows(n)))]
+        kept = {k.key: k.nbytes for n in inner for k in saved.of(n)}
+        got = found.setdefault(part, {"n": r.n_experts, "params": 0, "rows": [], "dispatch": 0, "combine": 0,
+                                      "saved": 0, "layers": 0})
+        got["n"] = math.gcd(got["n"], r.n_experts)
+        got["params"] += sum(program.params[f].numel for f in set(r.params))
+        got["rows"] += rows
+        got["dispatch"] += nbytes(r.entry.meta.get(meta.VAL)) or 0
+        got["combine"] += nbytes(r.exit.meta.get(meta.VAL)) or 0
+        got["saved"] += sum(kept.values())
+        got["layers"] += 1
+    return {part: Experts(g["n"], g["params"], tuple(sorted(g["rows"])), g["dispatch"], g["combine"], g["saved"],
+                          g["layers"]) for part, g in found.items()}, None
+
+
+class FusedLoss:
+    """The fused loss's "post" part per ``(tp, sequence_parallel)`` (:meth:`post`), read on first use from
+    the program ``passes/fused_loss.py`` makes (``fuses``: False where no loss matches its pattern)."""
+
+    def __init__(self, program, rank_parts):
+        self.program, names = fuse_loss(program)
+        self.fuses = bool(names)
+        self._rank_parts = rank_parts
+        self._post: dict = {}
+
+    def post(self, tp: int, sp: bool):
+        key = (tp, sp and tp > 1)
+        got = self._post.get(key)
+        if got is None:
+            program = self.program
+            if tp > 1:
+                loss = loss_position(program)
+                keep = None if loss is None else {[i for i, b in enumerate(program.outputs) if b.kind == "user"][loss]}
+                program, _ = tensor_parallel(program, tp, 0, keep_outputs=keep, sequence_parallel=key[1])
+            got = self._post[key] = self._rank_parts(program)[0]["post"]
+        return got
+
+
+def add_variants(costs, program, parts_of: dict, traced: dict[str, str], assign, node_rows, rank_parts) -> None:
+    """Fill ``costs.ep_allowed``, each tp=1 part's ``experts`` and ``costs.fused`` from ``program`` (the
+    trace ``parts_of`` was read from; ``traced``: layer kind -> its traced layer)."""
+    experts, why = read_experts(program, assign, node_rows)
+    costs.ep_allowed = why
+    fqn = {"pre": "pre", "post": "post", **traced}
+    for name, part in parts_of.items():
+        part.experts = experts.get(fqn.get(name, name))
+    if why is None and not any(p.experts for p in parts_of.values()):
+        costs.ep_allowed = "no expert layer is in the traced parts"
+    fused = FusedLoss(program, rank_parts)
+    costs.fused = fused if fused.fuses else None
