@@ -109,7 +109,7 @@ def tp_degrees(world: int, ranks_per_node: int) -> tuple[int, ...]:
 
 def autoplan(model: torch.nn.Module, world_size: int, *, device: str | DeviceProfile | torch.device | None = None,
              memory_per_rank: int | str | None = None, global_batch: int, seq: int, dtype: str | None = None,
-             top: int = 5, costs=None, frontend: str = "auto"):
+             top: int = 5, costs=None, frontend: str = "auto", int8: bool = False):
     """The best plan for training ``model`` on ``world_size`` ranks of ``device``, with the ranked alternatives.
 
     ``device``: a profile name (``"h100-80gb"``, ``"h200-141gb"``, ``"a100-80gb"``, ``"cpu"``), the path of
@@ -118,7 +118,8 @@ def autoplan(model: torch.nn.Module, world_size: int, *, device: str | DevicePro
     built-in one). ``memory_per_rank``: bytes or ``"80GB"``; None takes the profile's.
     ``global_batch`` sequences of ``seq`` tokens per optimizer step. ``dtype``: ``"fp32"`` or ``"bf16"``
     (None: the model's). ``costs``: a :class:`~fxpar.planner.model_costs.ModelCosts` already computed for
-    this ``seq`` (skips the trace). Returns an :class:`~fxpar.planner.search.AutoPlan`: ``.best`` (a
+    this ``seq`` (skips the trace). ``int8``: also price ZeRO-3 with int8 parameter gathers
+    (``comm_dtype="int8"``, lossy: only when asked for). Returns an :class:`~fxpar.planner.search.AutoPlan`: ``.best`` (a
     :class:`Plan`), ``.estimate``, ``.ranked``, ``.rejected`` with their reasons, ``.baseline`` (the usual
     hand-made plan priced the same way) and ``.to_text()``. Raises :class:`PlanError` when nothing fits,
     naming the numbers and what would.
@@ -139,7 +140,7 @@ def autoplan(model: torch.nn.Module, world_size: int, *, device: str | DevicePro
         raise PlanError(f"fxpar.autoplan: the costs given were computed for seq={costs.seq}, not seq={seq}; "
                         "compute them again with fxpar.planner.model_costs.model_costs(model, seq)")
     chosen = search(costs, world_size, profile, global_batch=global_batch,
-                    memory_per_rank=parse_memory(memory_per_rank), top=top, allow=compile_rule(model))
+                    memory_per_rank=parse_memory(memory_per_rank), top=top, allow=compile_rule(model), int8=int8)
     chosen.seq, chosen.profile_why = seq, why
     chosen.trace_seconds = time.perf_counter() - traced - chosen.seconds  # the trace and the per-part costs
     return chosen

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from fxpar.cost.estimate import Estimate, Pricer, gb
+from fxpar.cost.memory import fused_saving
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
-from fxpar.planner.dp_groups import replica_options
-from fxpar.planner.space import divisors, factorisations, microbatch_options, schedule_variants
+from fxpar.planner.space import divisors, factorisations, microbatch_options, schedule_variants, variants
 
 __all__ = ["AutoPlan", "baseline_plan", "describe", "search"]
 
@@ -44,21 +44,27 @@ def describe(plan: Plan) -> str:
     """``dp=16 pp=8 tp=8 zero=1 m=32 dp_replicate=2 1f1b sp recompute=selective``: the fields the planner
     chooses."""
     out = f"dp={plan.dp} pp={plan.pp} tp={plan.tp} zero={plan.zero} m={plan.microbatches}"
+    if plan.ep > 1:
+        out += f" ep={plan.ep}"
     if plan.dp_replicate > 1:
         out += f" dp_replicate={plan.dp_replicate}"
+    if plan.comm_dtype:
+        out += f" comm_dtype={plan.comm_dtype}"
     if plan.pp > 1:
         out += f" {plan.schedule}"
     if plan.sequence_parallel:
         out += " sp"
     if plan.recompute != "none":
         out += f" recompute={plan.recompute}"
+    if plan.fused_loss:
+        out += " fused_loss"
     return out
 
 
 def _key(e: Estimate) -> tuple:
     p = e.plan
     return (round(e.step_time, 9), p.pp, p.tp, p.zero, p.recompute != "none", p.microbatches or 0,
-            p.schedule, p.sequence_parallel, p.recompute, p.dp_replicate)
+            p.schedule, p.sequence_parallel, p.recompute, p.dp_replicate, p.ep, p.comm_dtype or "", p.fused_loss)
 
 
 @dataclass
@@ -173,12 +179,14 @@ def baseline_plan(costs, world: int, global_batch: int, pricer: Pricer, ranks_pe
 
 
 def search(costs, world: int, profile, *, global_batch: int, memory_per_rank: int | None = None, top: int = 5,
-           plans: list[Plan] | None = None, allow: Callable[[Plan], str | None] | None = None) -> AutoPlan:
+           plans: list[Plan] | None = None, allow: Callable[[Plan], str | None] | None = None,
+           int8: bool = False) -> AutoPlan:
     """The best plan for ``world`` ranks of ``profile`` and the ranked alternatives; PlanError when none runs.
 
     ``plans``: price these instead of searching the space. ``allow``: plan -> None if it may run, else the
     reason it may not (what the costs cannot know, e.g. weights tied across pipeline ranks under ZeRO-3);
-    such plans are priced but not chosen."""
+    such plans are priced but not chosen. ``int8``: also price ZeRO-3 with int8 gathers (lossy: asked for,
+    never chosen on the search's own)."""
     t0 = time.perf_counter()
     pricer = Pricer(costs, profile, global_batch=global_batch, memory_per_rank=memory_per_rank)
     rpn = profile.ranks_per_node
@@ -191,10 +199,11 @@ def search(costs, world: int, profile, *, global_batch: int, memory_per_rank: in
             except PlanError as e:
                 excluded.append((describe(plan), f"invalid: {e}"))
     else:
-        priced, excluded = _explore(costs, world, global_batch, pricer, rpn, cross_node_tp=False)
+        priced, excluded = _explore(costs, world, global_batch, pricer, rpn, cross_node_tp=False, int8=int8)
         if not any(e.fits for e in priced):
-            more, _ = _explore(costs, world, global_batch, pricer, rpn, cross_node_tp=True)
+            more, _ = _explore(costs, world, global_batch, pricer, rpn, cross_node_tp=True, int8=int8)
             priced += [e for e in more if e.plan.tp > rpn]
+        priced += _fused(pricer, priced)
     if allow is not None:
         for e in priced:
             why = allow(e.plan)
@@ -226,7 +235,7 @@ def search(costs, world: int, profile, *, global_batch: int, memory_per_rank: in
                     time.perf_counter() - t0, excluded, global_batch)
 
 
-def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp):
+def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=False):
     triples, excluded = factorisations(costs, world, global_batch, ranks_per_node=rpn, cross_node_tp=cross_node_tp)
     if not triples:
         raise _no_factorisation(costs, world, global_batch, excluded, rpn)
@@ -240,15 +249,14 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp):
                              f"replica cannot make {pp} microbatches"))
             continue
         first: dict[int, list[Estimate]] = {}
-        # HSDP (dp_replicate > 1) with ZeRO where the dp group spans nodes: shard groups inside a node
-        variants = [(sp, z, rc, r) for sp in sps if (tp, sp) in costs.parts["pre"]
-                    and not (sp and (tp == 1 or sp_ok.get(tp)))
-                    for z in ((0, 1, 2, 3) if dp > 1 else (0,)) for rc in ("none", "selective", "layer")
-                    for r in (replica_options(dp, pp * tp, rpn) if z else (1,))]
+        # HSDP (dp_replicate > 1) with ZeRO where the dp group spans nodes: shard groups inside a node; ep for
+        # models with expert layers, carved out of the dp replicas (fxpar.planner.space.variants)
+        sps_here = [sp for sp in sps if (tp, sp) in costs.parts["pre"] and not (sp and (tp == 1 or sp_ok.get(tp)))]
+        vs = variants(costs, dp, pp * tp, tp, rpn, sps_here, int8=int8)
         for m in ms:
-            for sp, z, rc, r in variants:
-                plan = Plan(dp=dp, pp=pp, tp=tp, zero=z, microbatches=m, sequence_parallel=sp, recompute=rc,
-                            schedule="1f1b", dp_replicate=r)
+            for sp, z, rc, r, e, q in vs:
+                plan = Plan(dp=dp // e, ep=e, pp=pp, tp=tp, zero=z, microbatches=m, sequence_parallel=sp,
+                            recompute=rc, schedule="1f1b", dp_replicate=r, comm_dtype=q)
                 first.setdefault(m, []).append(pricer.price(plan, exact=False))
         for est in first.values():
             priced += est
@@ -263,10 +271,27 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp):
                                          len(costs.layers) + 2)
             excluded += why
             for g in got:
-                for sp, z, rc, r in variants:
-                    plan = replace(g, zero=z, sequence_parallel=sp, recompute=rc, dp_replicate=r)
+                for sp, z, rc, r, e, q in vs:
+                    plan = replace(g, dp=dp // e, ep=e, zero=z, sequence_parallel=sp, recompute=rc, dp_replicate=r,
+                                   comm_dtype=q)
                     priced.append(pricer.price(plan, exact=False))
     return priced, excluded
+
+
+def _fused(pricer: Pricer, priced: list[Estimate]) -> list[Estimate]:
+    """The fused loss for the plans it may make fit and win (a dominance rule): those it may bring under the
+    memory and ahead of the best plan that fits, by bounds of the bytes and seconds it can save
+    (:func:`fxpar.cost.memory.fused_saving`: at most the unfused head and loss's). It costs the head's
+    matmul again in backward and saves the loss's elementwise passes over the logits and their memory."""
+    if pricer.costs.fused is None:
+        return []
+    best = min((e.step_time for e in priced if e.fits), default=math.inf)
+    out = []
+    for e in priced:
+        saves, faster = fused_saving(pricer, e.plan)
+        if e.step_time - faster < best and e.memory["total"] - saves <= pricer.memory:
+            out.append(pricer.price(replace(e.plan, fused_loss=True), exact=False))
+    return out
 
 
 def _refine(fitting: list[Estimate], pricer: Pricer, top: int) -> tuple[list[Estimate], list[Estimate]]:

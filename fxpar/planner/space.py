@@ -15,7 +15,8 @@ from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import RECOMPUTE, Plan
 from fxpar.planner.dp_groups import replica_options
 
-__all__ = ["candidates", "divisors", "factorisations", "microbatch_options", "schedule_variants"]
+__all__ = ["candidates", "divisors", "ep_options", "factorisations", "microbatch_options", "schedule_variants",
+           "variants"]
 
 
 def divisors(n: int) -> list[int]:
@@ -54,6 +55,34 @@ def microbatch_options(global_batch: int, dp: int, pp: int) -> list[int]:
     return [m for m in divisors(global_batch // dp) if m >= pp]
 
 
+def ep_options(costs, replicas: int, tp: int) -> list[int]:
+    """Expert-parallel degrees for ``replicas`` data replicas (ep is carved out of them): 1, and for a model
+    with expert layers the EP pass accepts, at tp=1 (ep does not compose with tp), each divisor of the
+    replicas that divides every MoE layer's experts."""
+    if tp > 1 or getattr(costs, "ep_allowed", "") is not None:
+        return [1]
+    n = [x.n_experts for part in costs.parts.values() if (x := part[(1, False)].experts)]
+    return [e for e in divisors(replicas) if all(k % e == 0 for k in n)]
+
+
+def variants(costs, replicas: int, inner: int, tp: int, ranks_per_node: int, sps, recompute=RECOMPUTE,
+             zero=(0, 1, 2, 3), int8: bool = False) -> list[tuple]:
+    """``(sequence_parallel, zero, recompute, dp_replicate, ep, comm_dtype)`` for ``replicas`` data replicas
+    ``inner`` (pp x tp) ranks apart: ZeRO where there is more than one replica (not ZeRO-3 with ep); with
+    ZeRO and ep=1, HSDP's ``dp_replicate`` (:func:`replica_options`); with ``int8``, ZeRO-3 over a shard group
+    of more than one rank also with int8 gathers (``comm_dtype="int8"``: lossy, so only when asked for)."""
+    out = []
+    for e in ep_options(costs, replicas, tp):
+        dp = replicas // e
+        for sp, z, rc in product(sps, [z for z in zero if replicas > 1 or z == 0], recompute):
+            if e > 1 and z == 3:
+                continue  # ZeRO-3 would shard the expert slices again (Plan refuses it)
+            for r in (replica_options(dp, inner, ranks_per_node) if z and e == 1 else (1,)):
+                for q in ((None, "int8") if int8 and z == 3 and dp // r > 1 else (None,)):
+                    out.append((sp, z, rc, r, e, q))
+    return out
+
+
 def schedule_variants(plan: Plan, schedules=sched.SCHEDULES, parts: int | None = None
                       ) -> tuple[list[Plan], list[tuple[str, str]]]:
     """``plan`` under each pipeline schedule that can run its microbatches over ``parts`` model parts
@@ -77,7 +106,7 @@ def schedule_variants(plan: Plan, schedules=sched.SCHEDULES, parts: int | None =
 
 
 def candidates(costs, world: int, global_batch: int, *, ranks_per_node: int, schedules=sched.SCHEDULES,
-               recompute=RECOMPUTE, zero=(0, 1, 2, 3), cross_node_tp: bool = False
+               recompute=RECOMPUTE, zero=(0, 1, 2, 3), cross_node_tp: bool = False, int8: bool = False
                ) -> tuple[list[Plan], list[tuple[str, str]]]:
     """Every plan of the space and the rejected combinations with their reasons."""
     plans: list[Plan] = []
@@ -92,13 +121,11 @@ def candidates(costs, world: int, global_batch: int, *, ranks_per_node: int, sch
             for sp in ((False, True) if tp > 1 else (False,)):
                 if (tp, sp) not in costs.parts["pre"] or (sp and (getattr(costs, "sp_allowed", {}) or {}).get(tp)):
                     continue
-                for z in zero:
-                    if z and dp == 1:
-                        continue  # ZeRO over one replica shards nothing
-                    for rc, r in product(recompute, replica_options(dp, pp * tp, ranks_per_node) if z else (1,)):
-                        base = Plan(dp=dp, pp=pp, tp=tp, zero=z, microbatches=m, sequence_parallel=sp, recompute=rc,
-                                    dp_replicate=r)
-                        got, why = schedule_variants(base, schedules, len(costs.layers) + 2)
-                        plans += got
-                        rejected += why
+                for _, z, rc, r, e, q in variants(costs, dp, pp * tp, tp, ranks_per_node, (sp,), recompute, zero,
+                                                    int8):
+                    base = Plan(dp=dp // e, ep=e, pp=pp, tp=tp, zero=z, microbatches=m, sequence_parallel=sp,
+                                recompute=rc, dp_replicate=r, comm_dtype=q)
+                    got, why = schedule_variants(base, schedules, len(costs.layers) + 2)
+                    plans += got
+                    rejected += why
     return plans, rejected
