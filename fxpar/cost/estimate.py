@@ -29,6 +29,14 @@ from functools import lru_cache, partial
 from fxpar.cost.comm import sent_bytes as _sent
 from fxpar.cost.experts import check_ep, dp_sent, ep_comm, ep_groups, ep_part_of, variant_part
 from fxpar.cost.memory import activation_peaks, per_rank
+from fxpar.cost.overheads import (
+    StepCounts,
+    call_time,
+    comm_share,
+    dp_bucket_count,
+    gather_copy_time,
+    overheads,
+)
 from fxpar.cost.roofline import is_matmul, work_time
 from fxpar.cost.schedule import EXACT_LIMIT, critical_path, n_actions
 from fxpar.cost.stages import Segments
@@ -111,8 +119,13 @@ class Pricer:
                     cheap += work_time(p, f * b, 0.0, act * b + weight, 0.0, dtype)[0]
         extra = fwd if recompute == "layer" and name not in ("pre", "post") else cheap
         inter = _spans_nodes(world, p.ranks_per_node, 1, tp)
-        tf = sum(p.collective_time(k, n * b, tp, inter) for k, n, d in part.comm if d == "fwd")
-        tb = sum(p.collective_time(k, n * b, tp, inter) for k, n, d in part.comm if d != "fwd")
+        # each TP collective: its alpha-beta, slowed by the ranks computing beside it where they share cores,
+        # plus what fxpar's op spends around it on the rank's own core (fxpar.cost.overheads)
+        slow = comm_share(p, min(world, p.ranks_per_node))
+        tf = sum(p.collective_time(k, n * b, tp, inter) / slow + call_time(p, k, n * b) / share
+                 for k, n, d in part.comm if d == "fwd")
+        tb = sum(p.collective_time(k, n * b, tp, inter) / slow + call_time(p, k, n * b) / share
+                 for k, n, d in part.comm if d != "fwd")
         if recompute == "layer" and name not in ("pre", "post"):
             tb += tf  # the recomputed forward runs its collectives again
         act = part.act.get(recompute) or part.act.get("none") or (0, 0)
@@ -213,9 +226,12 @@ class Pricer:
         if plan.zero == 3 and groups.shard > 1:
             zf, zb = _zero3(self, n_stages, tp, sp, b, rc, world, dtype, groups.shard, groups.shard_inter, gbytes,
                                  1 if plan.quantize_grads else 4, plan.prefetch > 0)
-        F = [x + y + z for x, y, z in zip(st["F"], tf, zf)]
-        B = [x + y + z for x, y, z in zip(st["B"], tb, zb)]
-        W = st["W"]
+        # the pipeline runtime's bookkeeping per action (fxpar.cost.overheads; 0 where not measured)
+        act = p.pipeline_action.get(name, 0.0) / p.share(min(world, p.ranks_per_node)) if pp > 1 else 0.0
+        split = name in sched.SPLIT_BACKWARD  # its backward is two actions, I (= B - W) and W
+        F = [x + y + z + act for x, y, z in zip(st["F"], tf, zf)]
+        B = [x + y + z + act * (2 if split else 1) for x, y, z in zip(st["B"], tb, zb)]
+        W = [x + act for x in st["W"]] if split else st["W"]
         tpc = [x + y for x, y in zip(tf, tb)]
         z3 = [x + y for x, y in zip(zf, zb)]
         pp_inter = pp > 1 and _spans_nodes(world, p.ranks_per_node, tp, pp)
@@ -241,13 +257,13 @@ class Pricer:
         # data parallel: buckets reduce as they fill in the last microbatch's backward
         dp_exposed, opt_time, worst = per_rank(p, dplan, m, mine, params, B, acts, st["big"], groups, gbytes,
                                                 st["bigt"], (st["eparams"], experts) if experts else None)
-        # ---- the step's parts are summed here: a "runtime" part (fxpar's own overheads around the ops, priced
-        # by fxpar.cost.overheads) joins `step` and `parts` at this point
-        step = makespan + dp_exposed + opt_time
+        # fxpar's own costs outside the actions (those inside are in F/B/W above): buckets, optimizer tensors
+        runtime = _runtime(self, plan, mine[r0], params, gbytes, world, (n_stages, b, dtype)).total
+        step = makespan + dp_exposed + opt_time + runtime
         pp_comm = min(max(0.0, makespan - busy[r0]), 2 * (n_stages - 1) * comm)
         idle = max(0.0, makespan - busy[r0] - pp_comm)
         parts = {"compute": compute, "tp_comm": tp_time, "pp_comm": pp_comm, "dp_comm": z3_time + dp_exposed,
-                 "bubble": idle, "optimizer": opt_time}
+                 "bubble": idle, "optimizer": opt_time, "runtime": runtime}
         ep = ep_part_of(plan, parts, st, mine[r0], m)  # its all-to-alls apart from TP's
         memory = {**worst[1], "activations": int(worst[2]), "buffers": int(worst[3]), "total": int(worst[0])}
         n0 = sum(params[s] for s in mine[r0])
@@ -265,6 +281,32 @@ class Pricer:
                         None if fits else f"memory: {gb(memory['total'])} > {gb(self.memory)}", is_exact)
 
 
+def _tensors(self: Pricer, stages: list[int], n_stages: int, b: int, dtype: str) -> int:
+    """Parameter tensors of ``stages`` of ``n_stages`` (the optimizer steps each one): the nodes reading a
+    weight, an upper bound (a tied weight read twice counts twice)."""
+    bounds = self.segs.cuts(n_stages, b, dtype)
+    parts = {i for s in stages for i, _ in self.units[bounds[s][0]:bounds[s][1]]}
+    total = 0
+    for i in parts:
+        key = ("tensors", self.names[i])
+        if key not in self._kinds:
+            self._kinds[key] = sum(1 for n in self.costs.part(self.names[i], 1, False).nodes if n[3] > 0)
+        total += self._kinds[key]
+    return total
+
+
+def _runtime(self: Pricer, plan: Plan, stages: list[int], params: list, gbytes: int, world: int, cut: tuple):
+    """fxpar's own per-step costs outside the actions (fxpar.cost.overheads): the data-parallel engine's
+    buckets (hooks, the gradients' copies in) and the optimizer's fixed cost per stepped tensor and group."""
+    n0 = sum(params[s] for s in stages)
+    dp = plan.dp * plan.ep
+    grads = n0 * gbytes if dp > 1 and plan.zero < 3 else 0
+    buckets = dp_bucket_count(grads)
+    tensors = buckets if plan.zero in (1, 2) and dp > 1 else _tensors(self, stages, *cut)
+    return overheads(self.profile, StepCounts(dp_buckets=buckets, dp_bucket_bytes=grads, optimizer_tensors=tensors,
+                                              optimizer_groups=1, busy_ranks=min(world, self.profile.ranks_per_node)))
+
+
 def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbytes, rbytes, prefetch) -> tuple:
     """ZeRO-3's exposed gather / reduce-scatter time per stage and microbatch (forward, backward):
     each part's bucket is gathered one ahead of use (``prefetch``), so only what its compute cannot
@@ -274,6 +316,7 @@ def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbyte
     if got is not None:
         return got
     p = self.profile
+    cshare = p.share(min(world, p.ranks_per_node))
     zf, zb = [], []
     for s, e in self.segs.cuts(n_stages, b, dtype):
         f = bw = 0.0
@@ -286,6 +329,8 @@ def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbyte
                 both = self._kinds[ck] = (p.collective_time("all_gather", k[5] * gbytes, dp, inter),
                                           p.collective_time("reduce_scatter", k[5] * rbytes, dp, inter))
             gather, rs = both[0] * share, both[1] * share
+            copy = gather_copy_time(p, k[5] * gbytes) / cshare * share  # the op's copies (fxpar.cost.overheads)
+            gather, rs = gather + copy, rs + copy
             hide = prefetch and u > 0 and p.comm_overlaps
             f += max(0.0, gather - k[0] * share) if hide else gather
             bw += max(0.0, gather + rs - k[1] * share) if hide else gather + rs
