@@ -12,6 +12,24 @@ import torch.distributed as dist
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "interleaved_zb")
 
 
+def _agreed_loop(fn, seconds: float) -> list[float]:
+    """Seconds per call of ``fn``, a call that talks to the other rank: both ranks make the same number of calls
+    (a warm-up call, then as many as the slower rank's first call says fill ``seconds``, at least 3), since a
+    count each rank drew from its own clock leaves one rank waiting for a message the other never sends."""
+    import time
+
+    t = time.perf_counter()
+    fn()
+    n = torch.tensor([max(3, min(500, int(seconds / max(time.perf_counter() - t, 1e-6))))])
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    times = []
+    for _ in range(int(n.item())):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def pipeline_actions(*, quick: bool = False, schedules=SCHEDULES) -> dict:
     """{schedule: s per action} of the pipeline runtime: a tiny Llama (4 layers of 32, 1 x 8 tokens per microbatch:
     negligible compute) compiled with pp=2 at 2 and 8 microbatches; the step's growth per action of the rank, less
@@ -30,8 +48,8 @@ def pipeline_actions(*, quick: bool = False, schedules=SCHEDULES) -> dict:
     program = fxpar.trace(model, example_kwargs=mb)
     fb = fast(rate_loop(lambda: model(**mb).loss.backward(), cpu, seconds))
     buf, me = torch.ones(256), dist.get_rank()
-    ping = fast(rate_loop(lambda: (dist.send(buf, 1), dist.recv(buf, 1)) if me == 0 else
-                          (dist.recv(buf, 0), dist.send(buf, 0)), cpu, seconds)) / 2
+    ping = fast(_agreed_loop(lambda: (dist.send(buf, 1), dist.recv(buf, 1)) if me == 0 else
+                             (dist.recv(buf, 0), dist.send(buf, 0)), seconds)) / 2
     out = {}
     for schedule in schedules[:2] if quick else schedules:
         v = 2 if schedule in ("interleaved_1f1b", "zbv", "interleaved_zb") else 1
@@ -47,7 +65,7 @@ def pipeline_actions(*, quick: bool = False, schedules=SCHEDULES) -> dict:
                                   optimizer=functools.partial(torch.optim.SGD, lr=0.0))
             finally:
                 log.setLevel(level)
-            step_s[m] = fast(rate_loop(functools.partial(c.step, **batch), cpu, seconds))
+            step_s[m] = fast(_agreed_loop(functools.partial(c.step, **batch), seconds))
             actions[m] = len(build_schedule(schedule, 2, m, 2 * v)[me])
             del c
         compute = 6 * (fb / 2 + 2 * ping)  # 6 more microbatches: their compute and sends on this rank

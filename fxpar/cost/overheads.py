@@ -108,7 +108,8 @@ def comm_share(profile: DeviceProfile, busy_ranks: float) -> float:
     ``comm_share`` by the rule :meth:`DeviceProfile.share` reads ``compute_share`` with."""
     if not profile.comm_share:
         return 1.0
-    return dataclasses.replace(profile, compute_share=profile.comm_share).share(round(busy_ranks))
+    # at most 1: ranks computing beside a collective can only slow it (a measured factor above 1 is noise)
+    return min(1.0, dataclasses.replace(profile, compute_share=profile.comm_share).share(round(busy_ranks)))
 
 
 def overheads(profile: DeviceProfile, counts: StepCounts) -> Overheads:
