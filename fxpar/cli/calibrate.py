@@ -103,7 +103,20 @@ def cmd_calibrate(args) -> int:
     if rank != 0:
         return 0
     profile = profile_from_measurements(m, name=args.name)
+    if not args.quick and not str(m.get("device", "cpu")).startswith("cuda"):
+        # the op overhead as fxpar's runtime pays it, from a tiny model's step (a chain of bare ops: 3-4 us here,
+        # fxpar's step: about 15)
+        import dataclasses
+
+        from fxpar.cli.calibrate_pipeline import step_op_overhead
+
+        m["step_op_overhead"] = probe = step_op_overhead(profile)
+        profile = dataclasses.replace(profile, op_overhead=probe["op_overhead"])
     print(_table(m, profile))
+    if "step_op_overhead" in m:
+        p = m["step_op_overhead"]
+        print(f"  op overhead in fxpar's step: {p['op_overhead'] * 1e6:.2f} us/op (a tiny Llama's step {p['step'] * 1e3:.2f} ms, "
+              f"{p['arithmetic'] * 1e3:.2f} ms of it arithmetic, {p['ops']:.0f} ops): the profile's op overhead")
     if args.reference and not str(m.get("device", "cpu")).startswith("cuda"):
         from fxpar.planner.reference import fit_to_reference
 

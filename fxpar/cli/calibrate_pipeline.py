@@ -1,5 +1,6 @@
-"""``fxpar calibrate``'s measurement of the pipeline runtime's bookkeeping per action (it compiles a model, so it
-lives with the command, not in :mod:`fxpar.runtime`): run on both ranks of a world of 2."""
+"""``fxpar calibrate``'s measurements that compile a model (so they live with the command, not in
+:mod:`fxpar.runtime`): the pipeline runtime's bookkeeping per action (on both ranks of a world of 2), and the
+cost per op of fxpar's executed program (one process)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,39 @@ def pipeline_actions(*, quick: bool = False, schedules=SCHEDULES) -> dict:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[schedule] = t.item()
     return out
+
+
+def step_op_overhead(profile, *, seconds: float = 1.0) -> dict:
+    """The seconds per op of a training step as fxpar's runtime runs it (the program's nodes called one by one,
+    autograd, the optimizer's loop), which a chain of bare ops (:func:`fxpar.runtime.calibrate.measure_op_overhead`)
+    underrates several times over: a tiny Llama (4 layers of 32, 1 x 8 tokens: almost no arithmetic) compiled
+    dp=1, its median step, less the price of its arithmetic on ``profile`` (no overhead), over the ops the price
+    counts (one per node forward, two backward). One process; a model unlike the ones a plan is priced for, so
+    that no priced plan is fitted."""
+    import dataclasses
+    import statistics
+    import time
+
+    import fxpar
+    from fxpar import zoo
+    from fxpar.cost.estimate import price_plan
+    from fxpar.planner.model_costs import model_costs
+
+    small = dict(hidden_size=32, num_hidden_layers=4, intermediate_size=64)
+    cfg = zoo.tiny_config("llama", **small)
+    batch = zoo.example_inputs("llama", cfg, batch=1, seq=8)
+    c = fxpar.compile(zoo.build("llama", seed=0, **small), "dp=1", example_kwargs=batch,
+                      optimizer=functools.partial(torch.optim.AdamW, lr=0.0))
+    for _ in range(3):
+        c.step(**batch)
+    times, end = [], time.perf_counter() + seconds
+    while len(times) < 10 or time.perf_counter() < end:
+        t = time.perf_counter()
+        c.step(**batch)
+        times.append(time.perf_counter() - t)
+    step = statistics.median(times)
+    costs = model_costs(zoo.build("llama", seed=0, **small), 8)
+    bare = price_plan(costs, fxpar.Plan(), dataclasses.replace(profile, op_overhead=0.0), global_batch=1).step_time
+    ops = (price_plan(costs, fxpar.Plan(), dataclasses.replace(profile, op_overhead=1e-6),
+                      global_batch=1).step_time - bare) / 1e-6
+    return {"step": step, "arithmetic": bare, "ops": ops, "op_overhead": max(0.0, step - bare) / max(ops, 1.0)}
