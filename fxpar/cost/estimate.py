@@ -121,7 +121,7 @@ class Pricer:
         inter = _spans_nodes(world, p.ranks_per_node, 1, tp)
         # each TP collective: its alpha-beta, slowed by the ranks computing beside it where they share cores,
         # plus what fxpar's op spends around it on the rank's own core (fxpar.cost.overheads)
-        slow = comm_share(p, min(world, p.ranks_per_node))
+        slow = comm_share(p, min(world, p.ranks_per_node), tp)
         tf = sum(p.collective_time(k, n * b, tp, inter) / slow + call_time(p, k, n * b) / share
                  for k, n, d in part.comm if d == "fwd")
         tb = sum(p.collective_time(k, n * b, tp, inter) / slow + call_time(p, k, n * b) / share
@@ -317,6 +317,7 @@ def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbyte
         return got
     p = self.profile
     cshare = p.share(min(world, p.ranks_per_node))
+    slow = comm_share(p, min(world, p.ranks_per_node), dp)  # collectives slowed by ranks computing beside them
     zf, zb = [], []
     for s, e in self.segs.cuts(n_stages, b, dtype):
         f = bw = 0.0
@@ -328,7 +329,7 @@ def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbyte
             if both is None:
                 both = self._kinds[ck] = (p.collective_time("all_gather", k[5] * gbytes, dp, inter),
                                           p.collective_time("reduce_scatter", k[5] * rbytes, dp, inter))
-            gather, rs = both[0] * share, both[1] * share
+            gather, rs = both[0] * share / slow, both[1] * share / slow
             copy = gather_copy_time(p, k[5] * gbytes) / cshare * share  # the op's copies (fxpar.cost.overheads)
             gather, rs = gather + copy, rs + copy
             hide = prefetch and u > 0 and p.comm_overlaps

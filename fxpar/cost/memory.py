@@ -15,6 +15,7 @@ fullest rank, with the data-parallel time each leaves exposed.
 from __future__ import annotations
 
 from fxpar.cost.data_parallel import DpGroups, engine_times
+from fxpar.cost.overheads import comm_share
 from fxpar.cost.schedule import moments, peak_activation
 from fxpar.ir.plan import Plan
 
@@ -91,6 +92,7 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
     ``groups``; ``plan.dp`` is then the ``dp x ep`` replicas."""
     dp, pp = plan.dp, plan.pp
     dp_exposed = opt_time = 0.0
+    slow = comm_share(p, min(plan.world_size, p.ranks_per_node), dp)  # collectives slowed by ranks computing beside them
     worst: tuple = ()
     per_n: dict[int, tuple] = {}  # ranks holding equal parameter counts share their collectives
     for r in range(pp):
@@ -99,6 +101,7 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
         got = per_n.get((n, ne))
         if got is None:
             red, last, gather = engine_times(p, plan.zero, n - ne, groups, BUCKET) if dp > 1 else (0.0, 0.0, 0.0)
+            red, last, gather = red / slow, last / slow, gather / slow
             mem = state_bytes(n - ne, plan.zero, dp, ADAM_STATES, plan.dp_replicate)
             stepped = (n - ne) // groups.shard if plan.zero else n - ne
             if ne:  # the expert slices: their own buckets after the dense ones, sharded over their group

@@ -103,13 +103,22 @@ def pipeline_time(profile: DeviceProfile, counts: StepCounts) -> float:
     return counts.actions * profile.pipeline_action.get(counts.schedule, 0.0) if counts.schedule else 0.0
 
 
-def comm_share(profile: DeviceProfile, busy_ranks: float) -> float:
-    """A collective's speed factor with ``busy_ranks`` computing on its node (1.0 where not measured), read from
-    ``comm_share`` by the rule :meth:`DeviceProfile.share` reads ``compute_share`` with."""
-    if not profile.comm_share:
-        return 1.0
-    # at most 1: ranks computing beside a collective can only slow it (a measured factor above 1 is noise)
-    return min(1.0, dataclasses.replace(profile, compute_share=profile.comm_share).share(round(busy_ranks)))
+def comm_share(profile: DeviceProfile, busy_ranks: float, group: int | None = None) -> float:
+    """A collective's speed factor on a group of ``group`` ranks while ``busy_ranks`` compute on its node:
+    ``comm_share`` read by the rule :meth:`DeviceProfile.share` reads ``compute_share`` with (at most 1:
+    ranks computing beside a collective can only slow it; a measured factor above 1 is noise), and where
+    collectives run on the computing cores (``comm_overlaps`` False: gloo on a CPU host) no more than the
+    compute's share with ``busy_ranks`` busy over its share with the group's own ranks busy (the calibration
+    timed each group size with its ranks alone running: a collective's reductions and copies are work on
+    those cores like any other, slowed by the ranks outside the group; ``group`` None: the measured factor
+    alone). 1.0 where neither says otherwise."""
+    measured = 1.0
+    if profile.comm_share:
+        measured = min(1.0, dataclasses.replace(profile, compute_share=profile.comm_share).share(round(busy_ranks)))
+    if group is not None and not profile.comm_overlaps and busy_ranks > group:
+        own = profile.share(min(group, profile.ranks_per_node))
+        return min(measured, profile.share(round(busy_ranks)) / own if own else 1.0)
+    return measured
 
 
 def overheads(profile: DeviceProfile, counts: StepCounts) -> Overheads:

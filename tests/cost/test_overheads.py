@@ -71,3 +71,19 @@ def test_fields_round_trip(tmp_path):
     assert got.comm_share == {4: 0.8}
     assert runtime_fields({}) == {}
     assert load_profile(got.save(tmp_path / "q.json")) == got
+
+
+def test_collectives_slowed_by_the_ranks_outside_their_group():
+    """On a host whose collectives run on the computing cores (gloo on a CPU: comm_overlaps False), a group of 2
+    while 4 ranks compute runs at compute_share[4] / compute_share[2] = 0.5 (the calibration timed it with its 2
+    ranks alone), a group of all 4 at 1, and never faster than the measured comm_share; a GPU host's
+    collectives (copy engines) are not slowed; dp_bucket_count follows the engine's 1 MiB first bucket."""
+    from fxpar.cost.overheads import comm_share, dp_bucket_count
+
+    cpu = measured(comm_overlaps=False)
+    assert comm_share(cpu, 4, 2) == pytest.approx(0.5)
+    assert comm_share(cpu, 4, 4) == pytest.approx(0.8)  # the measured comm_share[4]: lower than 1
+    assert comm_share(dataclasses.replace(cpu, comm_share={}), 4, 4) == 1.0
+    assert comm_share(dataclasses.replace(measured(comm_overlaps=True), comm_share={}), 4, 2) == 1.0
+    assert comm_share(cpu, 4) == pytest.approx(0.8)  # no group: the measured factor alone
+    assert [dp_bucket_count(n) for n in (0, 2**20, 2**20 + 1, 2**20 + 25 * 2**20, 2**20 + 25 * 2**20 + 1)] == [0, 1, 2, 2, 3]
