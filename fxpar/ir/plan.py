@@ -338,14 +338,19 @@ def _is_type(value: Any, base) -> bool:
     return isinstance(value, base)
 
 
+@functools.cache
+def _field_types() -> tuple[tuple[str, Any, bool], ...]:
+    """(name, type, whether None is allowed) per field of Plan, worked out once (the planner builds thousands)."""
+    return tuple((f.name, *_split_type(_types()[f.name])) for f in fields(Plan))
+
+
 def check_types(plan: Plan) -> None:
     """Every field of ``plan`` of its declared type (``Plan(sequence_parallel="yes")`` is an error, not a
     truthy string); ``tp_plan`` is ``"auto"`` or a ``{glob: style}`` table of strings."""
-    for f in fields(plan):
-        value = getattr(plan, f.name)
-        base, optional = _split_type(_types()[f.name])
+    for name, base, optional in _field_types():
+        value = getattr(plan, name)
         if (value is None and not optional and base is not Any) or (value is not None and not _is_type(value, base)):
-            raise PlanError(f"Plan.{f.name}={value!r}: {f.name} takes {_accepted(_types()[f.name])}")
+            raise PlanError(f"Plan.{name}={value!r}: {name} takes {_accepted(_types()[name])}")
     tp_plan = plan.tp_plan
     if tp_plan != "auto" and not (isinstance(tp_plan, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in tp_plan.items())):

@@ -73,7 +73,10 @@ class RankPart:
     def largest_weight(self) -> int:
         """Bytes of the largest weight one op of the part reads (the embedding, a projection): what the
         optimizer's per-tensor temporaries are sized by."""
-        return max((int(n[3]) for n in self.nodes), default=0)
+        got = self._times.get("largest_weight")  # (the search asks for it per stage of every plan)
+        if got is None:
+            got = self._times["largest_weight"] = max((int(n[3]) for n in self.nodes), default=0)
+        return got
 
     def time(self, profile, batch: int, dtype: str) -> tuple[float, float]:
         """(forward, backward) seconds for a microbatch of ``batch`` sequences on ``profile``: each node's
