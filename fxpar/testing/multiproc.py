@@ -73,7 +73,12 @@ __all__ = [
 # Modules the forkserver imports once, before forking workers (see set_preload).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "fxpar.testing.multiproc"]
 if importlib.util.find_spec("transformers") is not None:
-    _PRELOAD.append("transformers")
+    # with what a first compile of a zoo model imports (the model classes' modeling_utils, generation and
+    # accelerate, export's passes, AOT autograd, Inductor's code generation): about 0.5 s of one core per rank
+    # per pool otherwise, paid again by every pool a test module starts
+    _PRELOAD += ["transformers", "fxpar.zoo", "transformers.models.llama.modeling_llama",
+                 "transformers.models.gpt2.modeling_gpt2", "torch._export.passes", "torch._functorch.aot_autograd",
+                 "torch._inductor.codegen.common"]
 
 
 def set_preload(modules: Sequence[str]) -> None:
