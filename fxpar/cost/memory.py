@@ -101,7 +101,6 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
         got = per_n.get((n, ne))
         if got is None:
             red, last, gather = engine_times(p, plan.zero, n - ne, groups, BUCKET) if dp > 1 else (0.0, 0.0, 0.0)
-            red, last, gather = red / slow, last / slow, gather / slow
             mem = state_bytes(n - ne, plan.zero, dp, ADAM_STATES, plan.dp_replicate)
             stepped = (n - ne) // groups.shard if plan.zero else n - ne
             if ne:  # the expert slices: their own buckets after the dense ones, sharded over their group
@@ -109,6 +108,7 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
                 red, last, gather = (x + y for x, y in zip((red, last, gather), engine_times(p, plan.zero, ne, g, BUCKET)))
                 mem = {k: v + state_bytes(ne, plan.zero, g.shard, ADAM_STATES)[k] for k, v in mem.items()}
                 stepped += ne // g.shard if plan.zero else ne
+            red, last, gather = red / slow, last / slow, gather / slow  # the dense and the expert buckets alike
             mem["grads"] += step_grads(n, plan.zero, m)
             opt = p.optimizer_time(stepped, ADAM_BYTES)
             got = per_n[(n, ne)] = (red, last, gather, mem, sum(mem.values()), opt)
