@@ -41,13 +41,13 @@ from fxpar.runtime.calibrate_runtime import comm_share as _comm_share
 from fxpar.runtime.calibrate_runtime import lm_step as _lm_step
 from fxpar.runtime.calibrate_runtime import runtime_measurements
 from fxpar.runtime.calibrate_step import (
-    fast,
     measure_elementwise,
     measure_fresh_memory,
     measure_optimizer,
     rate_loop,
     sync,
     training_matmuls,
+    typical,
 )
 
 __all__ = ["calibrate", "measure_elementwise", "measure_matmul", "measure_memory_bandwidth", "measure_op_overhead",
@@ -74,7 +74,7 @@ def measure_matmul(device="cpu", dtypes=None, sizes=(256, 512, 1024), seconds: f
             for n in sizes:
                 a = torch.randn(n, n, device=device).to(_DTYPES[key])
                 b = torch.randn(n, n, device=device).to(_DTYPES[key])
-                by[n] = 2 * n**3 / fast(rate_loop(lambda a=a, b=b: a @ b, device, seconds))
+                by[n] = 2 * n**3 / typical(rate_loop(lambda a=a, b=b: a @ b, device, seconds))
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         train = training_matmuls(device, _DTYPES[key], seconds)
@@ -90,7 +90,7 @@ def measure_memory_bandwidth(device="cpu", sizes_mb=(1, 16, 64), seconds: float 
     for mb in sizes_mb:
         n = mb * 2**20 // 4
         a, b, c = (torch.ones(n, device=device) for _ in range(3))
-        by[mb] = 3 * n * 4 / fast(rate_loop(lambda: torch.add(a, b, out=c), device, seconds))
+        by[mb] = 3 * n * 4 / typical(rate_loop(lambda: torch.add(a, b, out=c), device, seconds))
     return {"bytes_per_s": by[max(by)], "by_size": by}
 
 

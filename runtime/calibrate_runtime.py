@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.ir.errors import FxparError
-from fxpar.runtime.calibrate_step import fast, rate_loop
+from fxpar.runtime.calibrate_step import rate_loop, typical
 from fxpar.runtime.collectives import all_gather_single
 
 __all__ = ["collective_op", "comm_share", "lm_step", "measure_optimizer_tensors", "runtime_measurements"]
@@ -183,7 +183,7 @@ def measure_optimizer_tensors(seconds: float = 0.15, numel: int = 1 << 18) -> tu
             p.grad = torch.randn_like(p)
         per = tensors // groups
         opt = torch.optim.AdamW([{"params": ps[i:i + per]} for i in range(0, tensors, per)], lr=1e-4)
-        return fast(rate_loop(opt.step, torch.device("cpu"), seconds))
+        return typical(rate_loop(opt.step, torch.device("cpu"), seconds))
     one, flat, grouped = step_time(1, 1), step_time(64, 1), step_time(64, 8)
     return max(0.0, (flat - one) / 63), max(0.0, (grouped - flat) / 7)
 

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-__all__ = ["fast", "measure_elementwise", "measure_fresh_memory", "measure_optimizer", "rate_loop", "sync",
+__all__ = ["measure_elementwise", "measure_fresh_memory", "measure_optimizer", "rate_loop", "sync", "typical",
            "training_matmuls"]
 
 
@@ -19,7 +19,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def fast(times: list[float]) -> float:
+def typical(times: list[float]) -> float:
     """The median call time: what a training step is measured by (the median step), so that rates measured
     here predict it (the 20th percentile, used before, rated this host's calls 16-25% faster than its median
     steps ran: the one-rank plans of bench/planner_accuracy.py predicted 25% too fast on 2026-11-27)."""
@@ -49,7 +49,7 @@ def training_matmuls(device, dtype, seconds: float) -> float:
     try:
         for m, k, n in shapes:
             x, w, g = (torch.randn(*s, device=device).to(dtype) for s in ((m, k), (n, k), (m, n)))
-            secs += fast(rate_loop(lambda x=x, w=w, g=g: (x @ w.t(), g @ w, g.t() @ x), device, seconds / 3))
+            secs += typical(rate_loop(lambda x=x, w=w, g=g: (x @ w.t(), g @ w, g.t() @ x), device, seconds / 3))
             flops += 3 * 2 * m * k * n
     except RuntimeError:  # a dtype this device has no matmul for
         return 0.0
@@ -69,7 +69,7 @@ def measure_elementwise(device="cpu", numel: int = 1 << 21, seconds: float = 0.1
            "softmax": lambda: x.softmax(-1), "log_softmax": lambda: x.log_softmax(-1)}
     by, total = {}, 0.0
     for name, fn in ops.items():
-        t = fast(rate_loop(fn, device, seconds / len(ops)))
+        t = typical(rate_loop(fn, device, seconds / len(ops)))
         by[name] = numel / t
         total += t
     return {"rate": len(ops) * numel / total, "by_op": by}
@@ -85,8 +85,8 @@ def measure_fresh_memory(sizes_mb=(4, 8, 16, 32, 48, 64), seconds: float = 0.1) 
     for mb in sizes_mb:
         n = mb * 2**20 // 4
         kept = torch.empty(n)
-        reused = n * 4 / fast(rate_loop(lambda: kept.fill_(1.0), torch.device("cpu"), seconds / 2))
-        fresh = n * 4 / fast(rate_loop(lambda: torch.empty(n).fill_(1.0), torch.device("cpu"), seconds / 2))
+        reused = n * 4 / typical(rate_loop(lambda: kept.fill_(1.0), torch.device("cpu"), seconds / 2))
+        fresh = n * 4 / typical(rate_loop(lambda: torch.empty(n).fill_(1.0), torch.device("cpu"), seconds / 2))
         by[mb] = (reused, fresh)
         if fresh < reused / 2:
             threshold = threshold or mb * 2**20
@@ -103,4 +103,4 @@ def measure_optimizer(device="cpu", numel: int = 1 << 21, seconds: float = 0.15)
     p = torch.nn.Parameter(torch.randn(numel, device=device))
     p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW([p], lr=1e-4)
-    return {"seconds_per_entry": fast(rate_loop(opt.step, device, seconds)) / numel}
+    return {"seconds_per_entry": typical(rate_loop(opt.step, device, seconds)) / numel}

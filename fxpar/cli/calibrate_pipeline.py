@@ -39,7 +39,7 @@ def pipeline_actions(*, quick: bool = False, schedules=SCHEDULES) -> dict:
     import fxpar
     from fxpar import zoo
     from fxpar.ir.schedule import build_schedule
-    from fxpar.runtime.calibrate_step import fast, rate_loop
+    from fxpar.runtime.calibrate_step import rate_loop, typical
 
     cpu, seconds = torch.device("cpu"), 0.1 if quick else 1.0  # (0.3 s windows: a few steps, 0 to 7 ms per action)
     small = dict(hidden_size=32, num_hidden_layers=4, intermediate_size=64)
@@ -47,9 +47,9 @@ def pipeline_actions(*, quick: bool = False, schedules=SCHEDULES) -> dict:
     model = zoo.build("llama", seed=0, **small)
     mb = zoo.example_inputs("llama", cfg, batch=1, seq=8)
     program = fxpar.trace(model, example_kwargs=mb)
-    fb = fast(rate_loop(lambda: model(**mb).loss.backward(), cpu, seconds))
+    fb = typical(rate_loop(lambda: model(**mb).loss.backward(), cpu, seconds))
     buf, me = torch.ones(256), dist.get_rank()
-    ping = fast(_agreed_loop(lambda: (dist.send(buf, 1), dist.recv(buf, 1)) if me == 0 else
+    ping = typical(_agreed_loop(lambda: (dist.send(buf, 1), dist.recv(buf, 1)) if me == 0 else
                              (dist.recv(buf, 0), dist.send(buf, 0)), seconds)) / 2
     out = {}
     for schedule in schedules[:2] if quick else schedules:
@@ -66,7 +66,7 @@ def pipeline_actions(*, quick: bool = False, schedules=SCHEDULES) -> dict:
                                   optimizer=functools.partial(torch.optim.SGD, lr=0.0))
             finally:
                 log.setLevel(level)
-            step_s[m] = fast(_agreed_loop(functools.partial(c.step, **batch), seconds))
+            step_s[m] = typical(_agreed_loop(functools.partial(c.step, **batch), seconds))
             actions[m] = len(build_schedule(schedule, 2, m, 2 * v)[me])
             del c
         compute = 6 * (fb / 2 + 2 * ping)  # 6 more microbatches: their compute and sends on this rank
@@ -84,27 +84,20 @@ def step_op_overhead(profile, *, seconds: float = 1.0) -> dict:
     counts (one per node forward, two backward). One process; a model unlike the ones a plan is priced for, so
     that no priced plan is fitted."""
     import dataclasses
-    import statistics
-    import time
 
     import fxpar
     from fxpar import zoo
     from fxpar.cost.estimate import price_plan
     from fxpar.planner.model_costs import model_costs
+    from fxpar.runtime.calibrate_step import rate_loop, typical
 
     small = dict(hidden_size=32, num_hidden_layers=4, intermediate_size=64)
     cfg = zoo.tiny_config("llama", **small)
     batch = zoo.example_inputs("llama", cfg, batch=1, seq=8)
     c = fxpar.compile(zoo.build("llama", seed=0, **small), "dp=1", example_kwargs=batch,
                       optimizer=functools.partial(torch.optim.AdamW, lr=0.0))
-    for _ in range(3):
-        c.step(**batch)
-    times, end = [], time.perf_counter() + seconds
-    while len(times) < 10 or time.perf_counter() < end:
-        t = time.perf_counter()
-        c.step(**batch)
-        times.append(time.perf_counter() - t)
-    step = statistics.median(times)
+    c.step(**batch)  # (the first step builds what later steps reuse; rate_loop warms up once more)
+    step = typical(rate_loop(functools.partial(c.step, **batch), torch.device("cpu"), seconds))
     costs = model_costs(zoo.build("llama", seed=0, **small), 8)
     bare = price_plan(costs, fxpar.Plan(), dataclasses.replace(profile, op_overhead=0.0), global_batch=1).step_time
     ops = (price_plan(costs, fxpar.Plan(), dataclasses.replace(profile, op_overhead=1e-6),
