@@ -86,7 +86,7 @@ def main() -> None:
         "Losses are bit-equal to the unchunked path. On these 2 CPU cores gloo's communication threads and "
         "the matmuls share the same cores, so overlapping them cannot pay, and each chunk is a smaller "
         "matmul plus its own collective's overhead: the chunked path is slower here. Whether it pays on a "
-        "GPU with NCCL is for `bench/kernels_gpu.py`-style measurements there; none is claimed.", ""])
+        "GPU with NCCL is for measurements on several GPUs (`./dev gpu` has one); none is claimed.", ""])
     print(text)
     if a.write:
         replace_section(a.write, HEADING, text)

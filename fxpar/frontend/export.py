@@ -58,8 +58,10 @@ def capture_export(model: torch.nn.Module, example_args: tuple = (), example_kwa
                    stack_traces: bool = False) -> torch.export.ExportedProgram:
     example_kwargs = dict(example_kwargs or {})
     shapes = dynamic_shapes_by_name({**_by_parameter_name(model, tuple(example_args)), **example_kwargs}, dynamic)
-    saved = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = not stack_traces
+    # torch < 2.12 has no switch for the stack traces export records (it always records them)
+    saved = getattr(torch.fx.config, "do_not_emit_stack_traces", None)
+    if saved is not None:
+        torch.fx.config.do_not_emit_stack_traces = not stack_traces
     try:
         with keep_function_backwards():  # user autograd.Functions keep their own backward
             return torch.export.export(model, tuple(example_args), example_kwargs, dynamic_shapes=shapes,
@@ -67,7 +69,8 @@ def capture_export(model: torch.nn.Module, example_args: tuple = (), example_kwa
     except Exception as exc:  # every capture failure becomes one clear TraceError
         raise explain(model, exc, "export") from exc
     finally:
-        torch.fx.config.do_not_emit_stack_traces = saved
+        if saved is not None:
+            torch.fx.config.do_not_emit_stack_traces = saved
 
 
 def _by_parameter_name(model: torch.nn.Module, example_args: tuple) -> dict[str, Any]:
