@@ -211,7 +211,7 @@ def _int8_unpack(buf: torch.Tensor, n: int, m: int, dtype: torch.dtype) -> torch
 
     rows = buf.view(n, -1)
     codes = rows[:, :m].reshape(-1)
-    scales = rows[:, m:].contiguous().view(torch.float32).reshape(-1)  # fresh storage: aligned for fp32
+    scales = rows[:, m:].clone(memory_format=torch.contiguous_format).view(torch.float32).reshape(-1)  # fresh, aligned
     return quant.dequantize(codes, scales, n, wire.INT8_BLOCK, dtype=dtype)
 
 

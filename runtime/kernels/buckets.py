@@ -26,6 +26,7 @@ CPU with ``TRITON_INTERPRET=1``). Why a kernel of our own: torch's copy-in casts
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import os
@@ -43,20 +44,28 @@ except ImportError:  # the kernels are optional: every op keeps its torch path
 
 __all__ = ["pack_shard", "pack_grads", "copy_out", "unpack", "use_triton", "TRITON_ENV"]
 
-TRITON_ENV = "FXPAR_KERNELS_TRITON"  # "1": the Triton path on every device (tests under the interpreter)
+TRITON_ENV = "FXPAR_KERNELS_TRITON"  # "1": the Triton path on every device (tests under the interpreter); "0": never
 BLOCK = 1024  # elements per program of the copy kernels
 
 
-def use_triton(backend: str, device: torch.device) -> bool:
-    """Whether an op runs its Triton path: ``backend`` "triton", or the env var, or "auto" on CUDA."""
+# The ops whose Triton path "auto" picks on CUDA: those `./dev gpu` measured faster than their torch path
+# (docs/benchmarks.md, "GPU checks"). The others run torch's unless asked for Triton.
+CUDA_DEFAULT = frozenset({"pack_shard", "pack_grads", "quantize_shard", "dequantize_copy_out"})
+
+
+def use_triton(backend: str, device: torch.device, op: str = "") -> bool:
+    """Whether op ``op`` runs its Triton path: ``backend`` "triton", or ``FXPAR_KERNELS_TRITON=1``; never
+    with ``backend`` "torch" or ``FXPAR_KERNELS_TRITON=0``; under "auto", on CUDA for the ops of
+    :data:`CUDA_DEFAULT`."""
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', not {backend!r}")
-    if backend == "torch":
+    env = os.environ.get(TRITON_ENV)
+    if backend == "torch" or (backend == "auto" and env == "0"):
         return False
-    forced = backend == "triton" or os.environ.get(TRITON_ENV) == "1"
+    forced = backend == "triton" or env == "1"
     if forced and triton is None:
         raise RuntimeError("the Triton path was asked for, but triton is not installed")
-    return forced or (device.type == "cuda" and triton is not None)
+    return forced or (device.type == "cuda" and triton is not None and op in CUDA_DEFAULT)
 
 
 # ---- layouts: segments (tensor, start in the tensor, start in the flat buffer, length) ------------------
@@ -135,6 +144,31 @@ def _copy_out_torch(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
 
 # ---- Triton path ------------------------------------------------------------------------------------
 
+# Launch tables on the device, by what they are built from (data pointers, dtypes, layout). A training
+# step packs and copies out the same buckets every time; building a table on the host and copying it
+# over is a fixed cost per launch that made the Triton copy-out 4x slower than torch's on an H100 for a
+# 202M-entry bucket (docs/benchmarks.md). The key holds everything a table is made of, so a hit is the
+# same table even where memory was freed and reused.
+_TABLES: collections.OrderedDict = collections.OrderedDict()
+_TABLES_MAX = 512
+
+
+def cached_tables(key: tuple, build):
+    """``build()``'s tensors for ``key``, built once (least recently used dropped past ``_TABLES_MAX``)."""
+    hit = _TABLES.get(key)
+    if hit is None:
+        hit = _TABLES[key] = build()
+        if len(_TABLES) > _TABLES_MAX:
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return hit
+
+
+def table_key(what: str, tensors: Sequence[torch.Tensor], *layout) -> tuple:
+    return (what, tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors), *layout)
+
+
 def tables(tensors: list[torch.Tensor], segs, device) -> tuple[torch.Tensor, ...]:
     """Per segment: the data pointer of its tensor, its start there, its flat start and its length."""
     cols = list(zip(*segs)) if segs else [(), (), (), ()]
@@ -197,8 +231,11 @@ if triton is not None:
 
 def _pack_triton(tensors: list[torch.Tensor], segs, out: torch.Tensor, divide: float) -> None:
     srcs = [t.contiguous() for t in tensors]
-    ptrs, dst, lens = tables(srcs, segs, out.device)
-    first, last = block_ranges(dst, lens, out.numel(), BLOCK)
+
+    def build():
+        ptrs, dst, lens = tables(srcs, segs, out.device)
+        return (ptrs, dst, lens, *block_ranges(dst, lens, out.numel(), BLOCK))
+    ptrs, dst, lens, first, last = cached_tables(table_key("pack", srcs, segs, out.numel(), out.device), build)
     if len(first):
         _pack_kernel[(len(first),)](out, ptrs, dst, lens, first, last, srcs[0], out.numel(), float(divide),
                                     DIVIDE=divide != 1.0, BLOCK=BLOCK)
@@ -213,11 +250,15 @@ def launch_scatter(flat: torch.Tensor, outs: list[torch.Tensor], scales: torch.T
     segs = [(i, 0, sum(numels[:i]), n) for i, n in enumerate(numels) if n]
     if not segs:
         return
-    ptrs, src, lens = tables(outs, segs, flat.device)
-    per = [math.ceil(n / BLOCK) for *_, n in segs]
-    blk_seg = torch.repeat_interleave(torch.arange(len(segs), dtype=torch.int32), torch.tensor(per))
-    blk_start = torch.cat([torch.arange(0, n, BLOCK, dtype=torch.int64) for *_, n in segs])
-    scatter_kernel[(len(blk_seg),)](flat, ptrs, src, lens, blk_seg.to(flat.device), blk_start.to(flat.device),
+
+    def build():
+        ptrs, src, lens = tables(outs, segs, flat.device)
+        per = [math.ceil(n / BLOCK) for *_, n in segs]
+        blk_seg = torch.repeat_interleave(torch.arange(len(segs), dtype=torch.int32), torch.tensor(per))
+        blk_start = torch.cat([torch.arange(0, n, BLOCK, dtype=torch.int64) for *_, n in segs])
+        return ptrs, src, lens, blk_seg.to(flat.device), blk_start.to(flat.device)
+    ptrs, src, lens, blk_seg, blk_start = cached_tables(table_key("scatter", outs, flat.device), build)
+    scatter_kernel[(len(blk_seg),)](flat, ptrs, src, lens, blk_seg, blk_start,
                                     torch.empty(1, dtype=outs[0].dtype, device=flat.device),
                                     flat if scales is None else scales, shard_numel,
                                     math.ceil(shard_numel / qblock), DEQUANT=scales is not None,
@@ -241,7 +282,7 @@ def pack_shard(tensors: list[torch.Tensor], dp: int, rank: int, dtype: torch.dty
     _check_bucket(tensors, "pack_shard")
     segs = shard_segments(tuple(t.numel() for t in tensors), dp, rank)
     out = torch.empty(math.ceil(sum(t.numel() for t in tensors) / dp), dtype=dtype, device=tensors[0].device)
-    if use_triton(backend, out.device):
+    if use_triton(backend, out.device, "pack_shard"):
         _pack_triton(list(tensors), segs, out, 1.0)
     else:
         _pack_torch(list(tensors), segs, out)
@@ -268,7 +309,7 @@ def pack_grads(grads: list[torch.Tensor], dp: int, dtype: torch.dtype, divide: f
         numels = tuple(g.numel() for g in grads)
         segs, width = shard_segments(numels, 1, 0), math.ceil(sum(numels) / dp)
     out = torch.empty(dp, width, dtype=dtype, device=grads[0].device)
-    if use_triton(backend, out.device):
+    if use_triton(backend, out.device, "pack_grads"):
         _pack_triton(list(grads), segs, out.view(-1), divide)
         return out
     if chunked:
@@ -295,7 +336,7 @@ def copy_out(flat: torch.Tensor, outs: list[torch.Tensor], backend: str = "auto"
     if sum(o.numel() for o in outs) > flat.numel():
         raise ValueError(f"copy_out: {flat.numel()} flat entries cannot fill tensors of "
                          f"{sum(o.numel() for o in outs)}")
-    if use_triton(backend, flat.device) and all(o.is_contiguous() for o in outs):
+    if use_triton(backend, flat.device, "copy_out") and all(o.is_contiguous() for o in outs):
         launch_scatter(flat.contiguous(), list(outs))
     else:
         _copy_out_torch(flat, list(outs))

@@ -53,6 +53,11 @@ triton = buckets.triton
 __all__ = ["quantize_shard", "dequantize_copy_out", "dequantize", "quantize_dequantize", "wire_bytes"]
 
 QMAX = 127  # symmetric int8 codes in [-127, 127]
+# A block's scale is its largest magnitude times the fp32 nearest 1/127, on both paths: torch on CUDA divides
+# by a Python scalar as a multiplication by its reciprocal while on the CPU it divides, so "amax / 127"
+# gave scales an ulp apart and codes one apart at near-ties between the GPU's Triton and torch paths
+# (measured on an H100, docs/benchmarks.md "GPU checks"). A multiplication is one rounding everywhere.
+INV_QMAX = 1.0 / QMAX
 
 
 def _check_block(block: int) -> None:
@@ -76,7 +81,7 @@ def _quantize_torch(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     n = x.numel()
     pad = _blocks(n, block) * block - n
     xb = (F.pad(x, (0, pad)) if pad else x).view(-1, block)
-    scale = xb.abs().amax(dim=1) / float(QMAX)
+    scale = xb.abs().amax(dim=1) * INV_QMAX  # see INV_QMAX
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.div(xb, safe[:, None]).round_().clamp_(-QMAX, QMAX).to(torch.int8)  # in place: one buffer
     return q.view(-1)[:n], scale
@@ -96,13 +101,17 @@ def _dequantize_torch(q: torch.Tensor, scales: torch.Tensor, dp: int, block: int
 if triton is not None:
     from fxpar.runtime.kernels.buckets import gather_segments
 
+    INV_SCALE = tl.constexpr(INV_QMAX)
+
     @triton.jit
     def _quantize_kernel(q, scales, ptrs, dst, lens, firsts, lasts, elem_ptr, n_out, QBLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * QBLOCK + tl.arange(0, QBLOCK)
         x = gather_segments(ptrs, dst, lens, tl.load(firsts + pid), tl.load(lasts + pid), offs, elem_ptr, QBLOCK)
-        scale = tl.max(tl.abs(x), axis=0) / 127.0
-        y = x / tl.where(scale > 0, scale, 1.0)
+        # the scale as the torch path makes it (see INV_QMAX); an IEEE division after it, as torch's (Triton's
+        # `/` on a GPU is an approximate one)
+        scale = tl.max(tl.abs(x), axis=0) * INV_SCALE
+        y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0))
         # round half to even, as torch.round does (exact in fp32: |y| <= 127)
         f = tl.floor(y)
         frac = y - f
@@ -116,8 +125,12 @@ if triton is not None:
 def _quantize_triton(tensors: list[torch.Tensor], segs, q: torch.Tensor, scales: torch.Tensor,
                      block: int) -> None:
     srcs = [t.contiguous() for t in tensors]
-    ptrs, dst, lens = buckets.tables(srcs, segs, q.device)
-    first, last = buckets.block_ranges(dst, lens, q.numel(), block)
+
+    def build():
+        ptrs, dst, lens = buckets.tables(srcs, segs, q.device)
+        return (ptrs, dst, lens, *buckets.block_ranges(dst, lens, q.numel(), block))
+    key = buckets.table_key("quantize", srcs, segs, q.numel(), block, q.device)
+    ptrs, dst, lens, first, last = buckets.cached_tables(key, build)
     if len(first):
         _quantize_kernel[(len(first),)](q, scales, ptrs, dst, lens, first, last, srcs[0], q.numel(),
                                         QBLOCK=block)
@@ -135,7 +148,7 @@ def quantize_shard(tensors: list[torch.Tensor], dp: int, rank: int, block: int =
     segs = shard_segments(tuple(t.numel() for t in tensors), dp, rank)
     shard = math.ceil(sum(t.numel() for t in tensors) / dp)
     device = tensors[0].device
-    if use_triton(backend, device):
+    if use_triton(backend, device, "quantize_shard"):
         q = torch.empty(shard, dtype=torch.int8, device=device)
         scales = torch.empty(_blocks(shard, block), dtype=torch.float32, device=device)
         _quantize_triton(list(tensors), segs, q, scales, block)
@@ -175,7 +188,7 @@ def dequantize_copy_out(q: torch.Tensor, scales: torch.Tensor, dp: int, block: i
     if sum(o.numel() for o in outs) > q.numel():
         raise ValueError(f"dequantize_copy_out: {q.numel()} codes cannot fill tensors of "
                          f"{sum(o.numel() for o in outs)}")
-    if use_triton(backend, q.device) and all(o.is_contiguous() for o in outs):
+    if use_triton(backend, q.device, "dequantize_copy_out") and all(o.is_contiguous() for o in outs):
         buckets.launch_scatter(q.contiguous(), list(outs), scales.contiguous(), shard, block)
     else:
         buckets._copy_out_torch(_dequantize_torch(q, scales, dp, block), list(outs))
@@ -189,7 +202,7 @@ def _(q, scales, dp, block, outs, backend="auto"):
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dp: int, block: int = 256,
                dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
     """The whole gathered flat buffer (``q.numel()`` entries, padding included) dequantized to ``dtype``."""
-    if not use_triton(backend, q.device):  # one cast of the fp32 result, instead of a copy-out into a buffer
+    if not use_triton(backend, q.device, "dequantize_copy_out"):  # one cast of the fp32 result, instead of a copy-out into a buffer
         _check_codes(q, scales, dp, block)
         return _dequantize_torch(q, scales, dp, block).to(dtype)
     out = torch.empty(q.numel(), dtype=dtype, device=q.device)

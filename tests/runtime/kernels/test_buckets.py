@@ -127,9 +127,18 @@ def test_backend_choice(monkeypatch):
     if buckets.triton is None:
         pytest.skip("triton is not installed")
     monkeypatch.delenv(buckets.TRITON_ENV, raising=False)
-    assert buckets.use_triton("auto", torch.device("cuda")) and buckets.use_triton("triton", torch.device("cpu"))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    # on CUDA "auto" picks Triton only for the ops measured faster there (CUDA_DEFAULT)
+    for op in ("pack_shard", "pack_grads", "copy_out", "quantize_shard", "dequantize_copy_out"):
+        assert buckets.use_triton("auto", cuda, op) == (op in buckets.CUDA_DEFAULT), op
+        assert buckets.use_triton("triton", cpu, op) and not buckets.use_triton("torch", cuda, op)
     monkeypatch.setenv(buckets.TRITON_ENV, "1")
-    assert buckets.use_triton("auto", torch.device("cpu")) and not buckets.use_triton("torch", torch.device("cpu"))
+    assert buckets.use_triton("auto", cpu, "copy_out") and not buckets.use_triton("torch", cpu, "copy_out")
+    monkeypatch.setenv(buckets.TRITON_ENV, "0")  # the torch path forced, whatever "auto" would pick
+    assert not any(buckets.use_triton("auto", cuda, op) for op in buckets.CUDA_DEFAULT)
+    assert buckets.use_triton("triton", cuda, "pack_grads")  # an explicit backend still wins
+    from fxpar.runtime.kernels import cross_entropy as ce
+    assert not ce._use_triton(torch.zeros(1, device="meta").new_empty(1))
 
 
 def test_fake_kernels_trace():

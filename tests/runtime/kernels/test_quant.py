@@ -42,11 +42,12 @@ pool2 = multiproc.rank_pool_fixture(2, timeout=60)
 
 
 def reference_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block by block: scale = absmax / 127, codes = x / scale rounded half to even (0 for a zero block)."""
+    """Block by block: scale = absmax x fp32(1/127) (one rounding on every device, unlike a division by a
+    scalar), codes = x / scale rounded half to even (0 for a zero block)."""
     codes, scales = [], []
     for i in range(0, x.numel(), block):
         b = x[i:i + block]
-        s = b.abs().max() / 127
+        s = b.abs().max() * torch.tensor(1 / 127, dtype=torch.float32)
         codes.append(torch.zeros_like(b, dtype=torch.int8) if s == 0 else torch.round(b / s).to(torch.int8))
         scales.append(s)
     return torch.cat(codes), torch.stack(scales)
