@@ -131,9 +131,11 @@ def test_logits_are_never_whole():
 
 
 def test_auto_chunk_size():
-    assert ce.chunk_tokens(4096, 1024, 16384) == 256  # the chunk's logits as large as the hidden states
+    assert ce.chunk_tokens(16384, 1024, 16384) == 1024  # the chunk's logits as large as the hidden states
+    assert ce.chunk_tokens(4096, 1024, 16384) == ce.MIN_CHUNK_TOKENS == 512  # not fewer tokens than this
     assert ce.chunk_tokens(10, 4, 1000) == 10
-    assert ce.chunk_tokens(100, 4, 1 << 20) == 1
+    assert ce.chunk_tokens(100, 4, 1 << 20) == 100
+    assert ce.chunk_tokens(4096, 4, 1 << 20) == 512
     assert ce.chunk_tokens(100, 4, 8, chunk=33) == 33
 
 
