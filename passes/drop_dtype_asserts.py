@@ -1,7 +1,11 @@
 """Remove export's ``_assert_tensor_metadata`` checks from a stage's graph.
 
-They assert the dtypes seen at trace time; under bf16 autocast the same values are bf16. They compute
-nothing, so removing them changes no result. Reads and writes: ``call_function`` nodes of that target.
+They assert the dtype and device each value had at trace time, and both can differ when the stage runs:
+under bf16 autocast the same values are bf16; a model traced with inputs on ``"cuda"`` records that
+device without an index, which the fake tensors of ``torch.compile`` on CUDA (``"cuda:0"``) fail
+("Tensor device mismatch! Expected: cuda, Got: cuda:0", measured on an H100: ZeRO-3 stages fell back to
+eager, docs/benchmarks.md "GPU checks"). They compute nothing, so removing them changes no result.
+Reads and writes: ``call_function`` nodes of that target.
 """
 
 from __future__ import annotations

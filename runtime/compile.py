@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import operator
+import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -205,8 +206,12 @@ def _inductor(profile: dict) -> Callable:
     return backend
 
 
+FALLBACK_ENV = "FXPAR_COMPILE_FALLBACK"  # "0": a stage that cannot be compiled raises instead of running eagerly
+
+
 class CompiledStage:
-    """Calls the compiled stage; on a failure to compile, warns once and calls the eager one from then on."""
+    """Calls the compiled stage; on a failure to compile, warns once and calls the eager one from then on
+    (or raises, with ``FXPAR_COMPILE_FALLBACK=0``)."""
 
     def __init__(self, gm: torch.fx.GraphModule, stage: int, backend: Callable):
         self.gm, self.stage = gm, stage
@@ -220,6 +225,8 @@ class CompiledStage:
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 return self.compiled(*args)
         except torch._dynamo.exc.TorchDynamoException as e:  # raised while compiling, before running
+            if os.environ.get(FALLBACK_ENV) == "0":  # fail instead, with the whole error
+                raise
             self.failed = _reason(e)
             warnings.warn(f"fxpar: stage {self.stage} could not be compiled and runs eagerly ({self.failed})",
                           RuntimeWarning, stacklevel=2)
