@@ -9,8 +9,6 @@ the pass list (``fxpar.passes``), predict stage times (``fxpar.cost.predict``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
@@ -26,6 +24,7 @@ from fxpar.ir.batch import batch_size, split_batch
 from fxpar.ir.errors import FxparError, PlanError
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.optim import ParamGroups
+from fxpar.ir.options import run_options
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.schedule import build_schedule
@@ -220,6 +219,7 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     if plan.collective_matmul:  # the collective matmul's kernels
         import fxpar.runtime.kernels.collective_matmul  # noqa: F401
     check_weights(weights)  # a bad safetensors file named before this rank joins the process group
+    timeout = float(timeout) if timeout is not None else run_options().timeout  # FXPAR_TIMEOUT, read once
     if launch.launched_by_torchrun() and not dist.is_initialized():
         launch.check_launch_world(plan)  # a world the plan does not fit: before joining
         launch.init_distributed(timeout)  # torchrun started us, the script did not join: join here
@@ -255,8 +255,9 @@ def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), ex
     profile = profile if profile is not None else auto.device_profile(None)[0]
     mesh = MeshSpec.for_plan(plan, rank)
     priced = _compile(model, plan, mesh, example_args, example_kwargs, optimizer=optimizer, device=None,
-                      profile=profile, frontend=frontend, timeout=None, program=None, weights=weights,
-                      dry=True, groups=ParamGroups.from_rule(model, param_groups) if param_groups is not None else None)
+                      profile=profile, frontend=frontend, timeout=run_options().timeout, program=None,
+                      weights=weights, dry=True,
+                      groups=ParamGroups.from_rule(model, param_groups) if param_groups is not None else None)
     if plan.ep > 1 and not priced._build.on_meta:  # the experts' load the example batch gives (ep.stats)
         priced.ep.set_load(_expert_load(priced, example_args, example_kwargs))
     return priced
@@ -279,7 +280,6 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
     example_kwargs = dict(example_kwargs or {})
     if not dry:
         check_not_taken(model, weights)
-    timeout = float(timeout if timeout is not None else os.environ.get("FXPAR_TIMEOUT", 300))
     feasibility.check_optimizer_factory(plan, optimizer, groups)
     feasibility.warn_zero_with_pipeline(plan)
     device = torch.device(device) if device is not None else torch.device("cpu")

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from fxpar.cost.profiles import DeviceProfile
 from fxpar.ir.batch import batch_size
 from fxpar.ir.errors import PlanError
+from fxpar.ir.options import run_options
 from fxpar.ir.plan import Plan
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -62,8 +63,9 @@ def device_profile(device: str | DeviceProfile | torch.device | None = None) -> 
     if dev.type == "cuda" and gpu:
         return profile_for_device(dev), f"this machine's GPU, {torch.cuda.get_device_name(dev)}"
     where = "no GPU on this machine" if not gpu else f"the ranks compute on the {dev.type.upper()}"
-    if os.environ.get("FXPAR_PROFILE"):
-        return load_profile(None), f"{where}: the profile FXPAR_PROFILE names ({os.environ['FXPAR_PROFILE']})"
+    named = run_options().profile
+    if named:
+        return load_profile(None), f"{where}: the profile FXPAR_PROFILE names ({named})"
     if DEFAULT_PATH.expanduser().exists():
         return load_profile(None), f"{where}: this host's profile from `fxpar calibrate` ({DEFAULT_PATH})"
     return load_profile(None), (f"{where} and no calibrated profile: the built-in rough CPU profile; "

@@ -26,6 +26,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from fxpar.ir.options import run_options
+
 
 def device_for_rank(local_rank: int | None = None) -> torch.device:
     """The device this process should use: ``cuda:<local_rank mod device count>`` or ``cpu``."""
@@ -82,7 +84,8 @@ def _attempt_store(seconds: float) -> dict:
 def init_distributed(timeout: float | None = None) -> tuple[int, int, torch.device]:
     """Join the process group torchrun describes (a no-op for a single process without torchrun, and
     where a group exists already), and start this rank's heartbeat (:mod:`fxpar.runtime.liveness`), so
-    that a peer that dies is named. Returns ``(rank, world size, device)``."""
+    that a peer that dies is named. ``timeout``: seconds a rank waits for a peer (None: ``FXPAR_TIMEOUT``,
+    :class:`fxpar.ir.options.RunOptions`). Returns ``(rank, world size, device)``."""
     from fxpar.runtime import liveness
 
     device = device_for_rank()
@@ -93,7 +96,7 @@ def init_distributed(timeout: float | None = None) -> tuple[int, int, torch.devi
             return 0, 1, device
         liveness.start()
         return dist.get_rank(), dist.get_world_size(), device
-    seconds = float(timeout if timeout is not None else os.environ.get("FXPAR_TIMEOUT", 300))
+    seconds = float(timeout) if timeout is not None else run_options().timeout
     dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=seconds),
                             device_id=device if device.type == "cuda" else None, **_attempt_store(seconds))
     atexit.register(_leave)  # the group fxpar made, fxpar takes down: a script need not know it exists

@@ -21,7 +21,6 @@ What the runner adds around every pass, as torch.fx's ``PassManager`` does:
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import torch
 
 from fxpar.ir.errors import FxparError, PassError
 from fxpar.ir.mesh import MeshSpec
+from fxpar.ir.options import run_options
 from fxpar.ir.placement import TpResult
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
@@ -67,8 +67,9 @@ class PassContext:
     traced_on_meta: bool = False
     param_group: Callable | None = None  # FQN -> its optimizer parameter group (ZeRO-3 buckets never mix)
     shared: dict = field(default_factory=dict)
-    disabled: frozenset[str] = field(default_factory=lambda: _env_set("FXPAR_DISABLE_PASSES"))
-    dump_dir: Path | None = field(default_factory=lambda: _env_path("FXPAR_DUMP_DIR"))
+    # FXPAR_DISABLE_PASSES and FXPAR_DUMP_DIR (fxpar.ir.options) unless given
+    disabled: frozenset[str] = field(default_factory=lambda: run_options().disabled_passes)
+    dump_dir: Path | None = field(default_factory=lambda: run_options().dump_dir)
     program: Program | None = None  # set by the runner: the program being compiled (after TP)
     pipeline: PipelineProgram | None = None  # set by the runner after the split
     out: PassOutputs = field(default_factory=PassOutputs)
@@ -89,15 +90,6 @@ class Pass:
     name: str
     fn: Callable
     when: Callable[[PassContext], bool] = lambda ctx: True
-
-
-def _env_set(name: str) -> frozenset[str]:
-    return frozenset(s.strip() for s in os.environ.get(name, "").split(",") if s.strip())
-
-
-def _env_path(name: str) -> Path | None:
-    v = os.environ.get(name)
-    return Path(v) if v else None
 
 
 def _graph_of(obj) -> torch.fx.Graph | None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from collections.abc import Callable
 
 import torch
@@ -35,11 +34,12 @@ from fxpar.ir import ops as ir_ops
 from fxpar.ir import wire
 from fxpar.ir.errors import CollectiveError, FxparError
 from fxpar.ir.ops import check_dim, check_reduce_op, shard_len
+from fxpar.ir.options import run_options
 from fxpar.runtime.groups import resolve_group
 
 __all__ = ["all_gather_single", "observing_param_gathers", "set_shape_checks"]
 
-_SHAPE_CHECKS = os.environ.get("FXPAR_CHECK_COLLECTIVES", "") not in ("", "0")
+_SHAPE_CHECKS: bool | None = None  # set_shape_checks's choice; None: FXPAR_CHECK_COLLECTIVES (run options)
 
 
 def set_shape_checks(enabled: bool) -> bool:
@@ -47,8 +47,12 @@ def set_shape_checks(enabled: bool) -> bool:
     small collective each); a mismatch raises :class:`CollectiveError` on every rank instead of a
     hang or garbage. Off by default (``FXPAR_CHECK_COLLECTIVES=1`` turns it on). Returns the old value."""
     global _SHAPE_CHECKS
-    old, _SHAPE_CHECKS = _SHAPE_CHECKS, bool(enabled)
+    old, _SHAPE_CHECKS = _shape_checks(), bool(enabled)
     return old
+
+
+def _shape_checks() -> bool:
+    return run_options().check_collectives if _SHAPE_CHECKS is None else _SHAPE_CHECKS
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -108,7 +112,7 @@ def _group_ranks(group: str) -> list[int]:
 
 def _cross_check(op: str, group: str, pg, x: torch.Tensor) -> None:
     """With shape checks on: every rank of the group must bring the same shape and dtype."""
-    if not _SHAPE_CHECKS:
+    if not _shape_checks():
         return
     mine = (tuple(x.shape), str(x.dtype))
     seen: list = [None] * pg.size()

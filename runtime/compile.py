@@ -39,7 +39,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import operator
-import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +48,7 @@ import torch.distributed as dist
 
 from fxpar.ir.errors import FxparError
 from fxpar.ir.ops import collective_kind
+from fxpar.ir.options import run_options
 from fxpar.runtime.groups import registered_groups, resolve_group
 
 __all__ = ["CompiledStage", "compile_enabled", "compile_stage", "enable_async_tp", "funcol_group", "inductor_profile",
@@ -225,7 +225,7 @@ class CompiledStage:
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 return self.compiled(*args)
         except torch._dynamo.exc.TorchDynamoException as e:  # raised while compiling, before running
-            if os.environ.get(FALLBACK_ENV) == "0":  # fail instead, with the whole error
+            if not run_options().compile_fallback:  # FXPAR_COMPILE_FALLBACK=0: fail, with the whole error
                 raise
             self.failed = _reason(e)
             warnings.warn(f"fxpar: stage {self.stage} could not be compiled and runs eagerly ({self.failed})",

@@ -36,6 +36,7 @@ import time
 import torch.distributed as dist
 
 from fxpar.ir.errors import FxparError
+from fxpar.ir.options import run_options
 
 __all__ = ["PeerFailure", "diagnose", "guard", "guarded", "start", "stop"]
 
@@ -89,7 +90,7 @@ def start(interval: float | None = None) -> bool:
     global _heart
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return False
-    interval = float(interval if interval is not None else os.environ.get("FXPAR_HEARTBEAT", 0.5))
+    interval = float(interval) if interval is not None else run_options().heartbeat
     if interval <= 0:  # FXPAR_HEARTBEAT=0: no heartbeat (failures then name the group's ranks only)
         return False
     with _lock:

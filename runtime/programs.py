@@ -12,13 +12,13 @@ engine and checkpoints read) is never dropped. Padding batches to a few lengths 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
 from fxpar.ir.batch import batch_size, signature
+from fxpar.ir.options import run_options
 from fxpar.runtime.memtrack import trim_heap
 
 log = logging.getLogger("fxpar")
@@ -33,7 +33,7 @@ class ProgramCache:
 
     def __init__(self, build: Callable, setup_for: Callable, runtime: Callable, max_programs: int | None = None):
         self.build, self.setup_for, self.runtime = build, setup_for, runtime
-        self.max_programs = int(max_programs if max_programs is not None else os.environ.get("FXPAR_MAX_PROGRAMS", 8))
+        self.max_programs = int(max_programs) if max_programs is not None else run_options().max_programs
         self.entries: dict[tuple, tuple] = {}  # signature -> (result, runtime, setup), most recently used last
         self.first: tuple | None = None
         self.compiled = 0  # programs compiled so far (a dropped one compiled again counts again)

@@ -28,6 +28,9 @@ import sys
 import time
 import traceback
 
+from fxpar.ir.errors import OptionError
+from fxpar.ir.options import RunOptions, run_options
+
 USER_ERROR = 2  # the exit status of a user error, on one process and on every rank
 BUG = 1  # what Python itself exits with on an uncaught exception
 LAUNCHER_ENV = "FXPAR_LAUNCHER"  # set by `fxpar launch` for its workers: the launcher prints failures
@@ -44,7 +47,7 @@ def multi_rank() -> bool:
 
 
 def want_traceback() -> bool:
-    return os.environ.get("FXPAR_TRACEBACK", "").strip().lower() not in ("", "0", "false", "no")
+    return _options().traceback  # FXPAR_TRACEBACK
 
 
 def _error_file() -> str | None:
@@ -55,7 +58,16 @@ def _prints(has_file: bool) -> bool:
     """Whether this rank prints its own failure (see the module docstring)."""
     if not multi_rank() or not has_file:
         return True
-    return os.environ.get(LAUNCHER_ENV) != "1" and rank() == 0
+    return not _options().launcher and rank() == 0
+
+
+def _options() -> RunOptions:
+    """The run options, or their defaults where a variable holds a bad value: reporting a failure (that
+    one's OptionError too) must not fail itself."""
+    try:
+        return run_options()
+    except OptionError:
+        return RunOptions()
 
 
 def _record(kind: str, message: str, text: str, code: int) -> bool:

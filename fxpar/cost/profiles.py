@@ -23,6 +23,7 @@ from pathlib import Path
 
 from fxpar.cost.comm import KINDS, RING, ring
 from fxpar.ir.errors import PlanError
+from fxpar.ir.options import run_options
 
 __all__ = ["DEFAULT_PATH", "KINDS", "PROFILES", "DeviceProfile", "Link", "fit_alpha_beta", "fit_table", "load_profile", "profile_for_device",
            "profile_from_measurements"]
@@ -276,7 +277,7 @@ def load_profile(spec: str | os.PathLike | DeviceProfile | None = None) -> Devic
     if isinstance(spec, DeviceProfile):
         return spec
     if spec is None:
-        spec = os.environ.get("FXPAR_PROFILE") or (str(DEFAULT_PATH) if DEFAULT_PATH.expanduser().exists() else "cpu")
+        spec = run_options().profile or (str(DEFAULT_PATH) if DEFAULT_PATH.expanduser().exists() else "cpu")
     text = str(spec)
     key = _ALIASES.get(text.lower(), text.lower())
     if key in PROFILES:

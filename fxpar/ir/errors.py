@@ -115,3 +115,13 @@ class InputError(PlanError):
     def __init__(self, message: str, *, path=None, values: dict | None = None, fix: str | None = None):
         self.path = path
         super().__init__(message, values=values, fix=fix)
+
+
+class OptionError(FxparError, ValueError):
+    """An fxpar environment variable (:mod:`fxpar.ir.options`) holds a value it does not accept:
+    ``variable`` is its name, ``value`` the text it held; the message says what it accepts."""
+
+    def __init__(self, message: str, *, variable: str, value: str):
+        self.variable = variable
+        self.value = value
+        super().__init__(message)
