@@ -88,6 +88,7 @@ def _fmt(x, spec=".2f") -> str:
 def kernels(env: Env):
     from fxpar.runtime.kernels import buckets as bk
     from fxpar.runtime.kernels import cross_entropy as ce
+    from fxpar.runtime.kernels import forced, use_triton
     from fxpar.runtime.kernels import quant as qt
 
     dev = env.device
@@ -121,7 +122,7 @@ def kernels(env: Env):
         near = env.dry and torch.allclose(a.float(), b.float(), rtol=2**-7, atol=0)
         ok &= same or near
         ms = {b: env.timed(lambda b=b: run(b)) for b in ("triton", "torch")}
-        auto = "Triton" if bk.use_triton("auto", dev, _op_of(name)) else "torch"
+        auto = "Triton" if use_triton(_op_of(name), dev) else "torch"
         verdict = "equal" if same else "within bf16 truncation" if near else \
             f"DIFFERENT (max diff {(a.float() - b.float()).abs().max().item():.3g})"
         rows.append([name, verdict, f"{ms['triton']:.3f}",
@@ -133,7 +134,7 @@ def kernels(env: Env):
     tgt[::7] = -1
     lse = torch.logsumexp(x, 1)
     gl, ga = torch.rand(tokens, device=dev, generator=g), torch.rand(tokens, device=dev, generator=g)
-    with ce.set_triton_on_cpu(env.dry) if env.dry else contextlib.nullcontext():
+    with forced("triton") if env.dry else contextlib.nullcontext():
         for name, tri, ref in [
             ("cross-entropy stats", lambda: torch.stack(ce.stats_triton(x.clone(), tgt)),
              lambda: torch.stack(ce.stats_torch(x.clone(), tgt))),
@@ -145,7 +146,7 @@ def kernels(env: Env):
             ok &= err <= 1e-5
             ms_t, ms_r = env.timed(tri), env.timed(ref)
             rows.append([name, f"max rel. diff {err:.1e}", f"{ms_t:.3f}", "", f"{ms_r:.3f}", "", f"{ms_r / ms_t:.2f}",
-                         "Triton" if ce._use_triton(x) else "torch"])
+                         "Triton" if use_triton("linear_cross_entropy", dev) else "torch"])
     body = table(["kernel", "Triton vs torch", "Triton ms", "Triton GB/s", "torch ms", "torch GB/s", "torch/Triton",
                   "default here"], rows)
     return body + ("\n\n(dry run: the Triton interpreter; times say nothing)" if env.dry else ""), ok

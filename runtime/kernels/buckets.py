@@ -18,9 +18,9 @@ The ops:
   cast to their dtype). ``unpack`` wraps it to return new parameter-shaped tensors.
 
 Each op has a torch path (torch's FSDP copy ops or ``torch._chunk_cat``, which run on every device)
-and a Triton path: one multi-tensor kernel reading a table of data pointers, chosen for CUDA tensors,
-or everywhere with ``backend="triton"`` or ``FXPAR_KERNELS_TRITON=1`` (the Triton interpreter runs it on
-CPU with ``TRITON_INTERPRET=1``). Why a kernel of our own: torch's copy-in casts per tensor through
+and a Triton path: one multi-tensor kernel reading a table of data pointers (which path runs:
+:func:`fxpar.runtime.kernels.use_triton`; the Triton interpreter runs it on CPU with
+``TRITON_INTERPRET=1``). Why a kernel of our own: torch's copy-in casts per tensor through
 ``_foreach_copy_`` and cannot pre-divide; here pack, cast, pad and divide are one pass over the bucket.
 """
 
@@ -29,12 +29,12 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import os
 from collections.abc import Sequence
 
 import torch
 
 from fxpar.ir.buckets import FlatBucket
+from fxpar.runtime.kernels import use_triton
 
 try:
     import triton
@@ -42,30 +42,9 @@ try:
 except ImportError:  # the kernels are optional: every op keeps its torch path
     triton = tl = None
 
-__all__ = ["pack_shard", "pack_grads", "copy_out", "unpack", "use_triton", "TRITON_ENV"]
+__all__ = ["pack_shard", "pack_grads", "copy_out", "unpack"]
 
-TRITON_ENV = "FXPAR_KERNELS_TRITON"  # "1": the Triton path on every device (tests under the interpreter); "0": never
 BLOCK = 1024  # elements per program of the copy kernels
-
-
-# The ops whose Triton path "auto" picks on CUDA: those `./dev gpu` measured faster than their torch path
-# (docs/benchmarks.md, "GPU checks"). The others run torch's unless asked for Triton.
-CUDA_DEFAULT = frozenset({"pack_shard", "pack_grads", "quantize_shard", "dequantize_copy_out"})
-
-
-def use_triton(backend: str, device: torch.device, op: str = "") -> bool:
-    """Whether op ``op`` runs its Triton path: ``backend`` "triton", or ``FXPAR_KERNELS_TRITON=1``; never
-    with ``backend`` "torch" or ``FXPAR_KERNELS_TRITON=0``; under "auto", on CUDA for the ops of
-    :data:`CUDA_DEFAULT`."""
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', not {backend!r}")
-    env = os.environ.get(TRITON_ENV)
-    if backend == "torch" or (backend == "auto" and env == "0"):
-        return False
-    forced = backend == "triton" or env == "1"
-    if forced and triton is None:
-        raise RuntimeError("the Triton path was asked for, but triton is not installed")
-    return forced or (device.type == "cuda" and triton is not None and op in CUDA_DEFAULT)
 
 
 # ---- layouts: segments (tensor, start in the tensor, start in the flat buffer, length) ------------------
@@ -282,7 +261,7 @@ def pack_shard(tensors: list[torch.Tensor], dp: int, rank: int, dtype: torch.dty
     _check_bucket(tensors, "pack_shard")
     segs = shard_segments(tuple(t.numel() for t in tensors), dp, rank)
     out = torch.empty(math.ceil(sum(t.numel() for t in tensors) / dp), dtype=dtype, device=tensors[0].device)
-    if use_triton(backend, out.device, "pack_shard"):
+    if use_triton("pack_shard", out.device, backend):
         _pack_triton(list(tensors), segs, out, 1.0)
     else:
         _pack_torch(list(tensors), segs, out)
@@ -309,7 +288,7 @@ def pack_grads(grads: list[torch.Tensor], dp: int, dtype: torch.dtype, divide: f
         numels = tuple(g.numel() for g in grads)
         segs, width = shard_segments(numels, 1, 0), math.ceil(sum(numels) / dp)
     out = torch.empty(dp, width, dtype=dtype, device=grads[0].device)
-    if use_triton(backend, out.device, "pack_grads"):
+    if use_triton("pack_grads", out.device, backend):
         _pack_triton(list(grads), segs, out.view(-1), divide)
         return out
     if chunked:
@@ -336,7 +315,7 @@ def copy_out(flat: torch.Tensor, outs: list[torch.Tensor], backend: str = "auto"
     if sum(o.numel() for o in outs) > flat.numel():
         raise ValueError(f"copy_out: {flat.numel()} flat entries cannot fill tensors of "
                          f"{sum(o.numel() for o in outs)}")
-    if use_triton(backend, flat.device, "copy_out") and all(o.is_contiguous() for o in outs):
+    if use_triton("copy_out", flat.device, backend) and all(o.is_contiguous() for o in outs):
         launch_scatter(flat.contiguous(), list(outs))
     else:
         _copy_out_torch(flat, list(outs))

@@ -27,23 +27,23 @@ at most a ``[C, V/tp]`` block of logits exists at any time.
   where the graph already has the all-reduce (Megatron's "f" before a column-parallel linear).
 * The matmuls are torch's (cuBLAS on GPU). The per-chunk elementwise work (the statistics, and the
   softmax gradient written in place over the chunk's logits) is a Triton kernel on CUDA tensors and
-  torch on any other device; :func:`set_triton_on_cpu` runs the Triton kernels on CPU tensors under
-  ``TRITON_INTERPRET=1`` (set before this module is imported) for tests.
+  torch on any other device (:func:`fxpar.runtime.kernels.use_triton`, op name "linear_cross_entropy";
+  ``fxpar.runtime.kernels.forced("triton")`` runs the Triton kernels on CPU tensors under
+  ``TRITON_INTERPRET=1``, set before this module is imported, for tests).
+* The all-reduces (the forward's two, dh's in backward) are fxpar's ``all_reduce`` op, as every other
+  collective of the emitted program: counted, checked and bounded by the group's timeout alike.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
-import torch.distributed as dist
 
 from fxpar.ir import fused_ops
 from fxpar.ir.errors import FxparError
 from fxpar.ir.fused_ops import check_linear_cross_entropy
-from fxpar.runtime.groups import resolve_group
-from fxpar.runtime.kernels.buckets import TRITON_ENV
+from fxpar.ir.ops import all_reduce
+from fxpar.runtime import collectives  # noqa: F401  registers the kernels of fxpar's collective ops
+from fxpar.runtime.kernels import use_triton
 
 try:
     import triton
@@ -51,32 +51,13 @@ try:
 except ImportError:  # triton is only declared for Linux x86-64
     triton = None
 
-__all__ = ["chunk_tokens", "linear_cross_entropy", "python_kernels", "set_triton_on_cpu"]
+__all__ = ["chunk_tokens", "linear_cross_entropy", "python_kernels"]
 
-_TRITON_ON_CPU = False
 _BLOCK = 2048  # vocabulary columns per Triton loop step
 
 
-@contextlib.contextmanager
-def set_triton_on_cpu(enabled: bool = True):
-    """Within the block, run the Triton kernels on tensors of every device (meant for CPU under the
-    Triton interpreter); without Triton installed this raises."""
-    global _TRITON_ON_CPU
-    if enabled and triton is None:
-        raise FxparError("set_triton_on_cpu: triton is not installed")
-    old, _TRITON_ON_CPU = _TRITON_ON_CPU, bool(enabled)
-    try:
-        yield
-    finally:
-        _TRITON_ON_CPU = old
-
-
 def _use_triton(t: torch.Tensor) -> bool:
-    """The Triton kernels on CUDA (or on every device inside :func:`set_triton_on_cpu`), unless
-    ``FXPAR_KERNELS_TRITON=0`` forces the torch path."""
-    if os.environ.get(TRITON_ENV) == "0":
-        return False
-    return triton is not None and (t.is_cuda or _TRITON_ON_CPU)
+    return use_triton("linear_cross_entropy", t.device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -220,12 +201,9 @@ def forward_impl(hidden, weight, labels, vocab_start, group, ignore_index, chunk
     stats = stats_triton if _use_triton(hidden) else stats_torch
     for a, b in _chunks(tokens, chunk_tokens(tokens, hidden.shape[1], shard, chunk)):
         top[a:b], total[a:b], picked[a:b] = stats(_logits(hidden[a:b], weight), tgt[a:b])
-    pg = resolve_group(group) if group else None
-    if pg is not None:
-        top_all = top.clone()
-        dist.all_reduce(top_all, op=dist.ReduceOp.MAX, group=pg)
-        packed = torch.stack([total * torch.exp(top - top_all), picked])  # one all-reduce for both
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=pg)
+    if group:
+        top_all = all_reduce(top, group, "max")
+        packed = all_reduce(torch.stack([total * torch.exp(top - top_all), picked]), group)  # both in one
         top, total, picked = top_all, packed[0], packed[1]
     lse = top + torch.log(total)
     loss = (lse - picked).masked_fill(labels == ignore_index, 0.0)
@@ -254,9 +232,8 @@ def backward_impl(hidden, weight, labels, lse, grad_loss, grad_lse, vocab_start,
             g = g.to(weight.dtype)
             dh[a:b] = torch.mm(g, weight)
             _accumulate_dw(dw, g, hidden[a:b].to(weight.dtype))
-    pg = resolve_group(group) if group and reduce_grad_hidden else None
-    if pg is not None:
-        dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=pg)
+    if group and reduce_grad_hidden:
+        dh = all_reduce(dh, group)
     return dh.view(shape), dw.to(weight.dtype)
 
 

@@ -31,8 +31,7 @@ Where fxpar uses it (``Plan(comm_dtype="int8")``, kernels in :mod:`fxpar.runtime
 
 The torch path is plain tensor math on the packed fp32 shard; the Triton path packs (the pointer table of
 ``fxpar.runtime.kernels.buckets``), casts and quantizes one block per program in one launch, and its
-copy-out dequantizes while it scatters. Backend choice as in ``buckets``: CUDA or ``backend="triton"``
-or ``FXPAR_KERNELS_TRITON=1`` runs Triton. Inductor does not fuse a reduction per block with a
+copy-out dequantizes while it scatters. Which path runs: :func:`fxpar.runtime.kernels.use_triton`. Inductor does not fuse a reduction per block with a
 multi-tensor gather and an int8 store into one kernel, hence these kernels.
 """
 
@@ -44,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from fxpar.ir.wire import int8_wire_bytes
-from fxpar.runtime.kernels import buckets
-from fxpar.runtime.kernels.buckets import shard_segments, use_triton
+from fxpar.runtime.kernels import buckets, use_triton
+from fxpar.runtime.kernels.buckets import shard_segments
 
 tl = buckets.tl
 triton = buckets.triton
@@ -148,7 +147,7 @@ def quantize_shard(tensors: list[torch.Tensor], dp: int, rank: int, block: int =
     segs = shard_segments(tuple(t.numel() for t in tensors), dp, rank)
     shard = math.ceil(sum(t.numel() for t in tensors) / dp)
     device = tensors[0].device
-    if use_triton(backend, device, "quantize_shard"):
+    if use_triton("quantize_shard", device, backend):
         q = torch.empty(shard, dtype=torch.int8, device=device)
         scales = torch.empty(_blocks(shard, block), dtype=torch.float32, device=device)
         _quantize_triton(list(tensors), segs, q, scales, block)
@@ -188,7 +187,7 @@ def dequantize_copy_out(q: torch.Tensor, scales: torch.Tensor, dp: int, block: i
     if sum(o.numel() for o in outs) > q.numel():
         raise ValueError(f"dequantize_copy_out: {q.numel()} codes cannot fill tensors of "
                          f"{sum(o.numel() for o in outs)}")
-    if use_triton(backend, q.device, "dequantize_copy_out") and all(o.is_contiguous() for o in outs):
+    if use_triton("dequantize_copy_out", q.device, backend) and all(o.is_contiguous() for o in outs):
         buckets.launch_scatter(q.contiguous(), list(outs), scales.contiguous(), shard, block)
     else:
         buckets._copy_out_torch(_dequantize_torch(q, scales, dp, block), list(outs))
@@ -202,7 +201,7 @@ def _(q, scales, dp, block, outs, backend="auto"):
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dp: int, block: int = 256,
                dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
     """The whole gathered flat buffer (``q.numel()`` entries, padding included) dequantized to ``dtype``."""
-    if not use_triton(backend, q.device, "dequantize_copy_out"):  # one cast of the fp32 result, instead of a copy-out into a buffer
+    if not use_triton("dequantize_copy_out", q.device, backend):  # one cast of the fp32 result, no buffer
         _check_codes(q, scales, dp, block)
         return _dequantize_torch(q, scales, dp, block).to(dtype)
     out = torch.empty(q.numel(), dtype=dtype, device=q.device)

@@ -17,6 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.ir.buckets import FlatBucket
+from fxpar.runtime import kernels
 from fxpar.runtime.kernels import buckets
 from fxpar.runtime.kernels.buckets import copy_out, pack_grads, pack_shard, unpack
 
@@ -115,30 +116,38 @@ def test_copy_out_and_unpack(dtype):
 
 def test_checks():
     with pytest.raises(ValueError, match="backend"):
-        buckets.use_triton("cuda", torch.device("cpu"))
+        kernels.use_triton("copy_out", torch.device("cpu"), "cuda")
     with pytest.raises(ValueError, match="one dtype"):
         pack_shard([torch.ones(2), torch.ones(2, dtype=torch.float16)], 2, 0, torch.float32)
     with pytest.raises(ValueError, match="cannot fill"):
         copy_out(torch.zeros(3), [torch.zeros(4)])
-    assert not buckets.use_triton("auto", torch.device("cpu"))
+    assert not kernels.use_triton("copy_out", torch.device("cpu"))
 
 
 def test_backend_choice(monkeypatch):
     if buckets.triton is None:
         pytest.skip("triton is not installed")
-    monkeypatch.delenv(buckets.TRITON_ENV, raising=False)
+    monkeypatch.delenv(kernels.TRITON_ENV, raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    # on CUDA "auto" picks Triton only for the ops measured faster there (CUDA_DEFAULT)
-    for op in ("pack_shard", "pack_grads", "copy_out", "quantize_shard", "dequantize_copy_out"):
-        assert buckets.use_triton("auto", cuda, op) == (op in buckets.CUDA_DEFAULT), op
-        assert buckets.use_triton("triton", cpu, op) and not buckets.use_triton("torch", cuda, op)
-    monkeypatch.setenv(buckets.TRITON_ENV, "1")
-    assert buckets.use_triton("auto", cpu, "copy_out") and not buckets.use_triton("torch", cpu, "copy_out")
-    monkeypatch.setenv(buckets.TRITON_ENV, "0")  # the torch path forced, whatever "auto" would pick
-    assert not any(buckets.use_triton("auto", cuda, op) for op in buckets.CUDA_DEFAULT)
-    assert buckets.use_triton("triton", cuda, "pack_grads")  # an explicit backend still wins
-    from fxpar.runtime.kernels import cross_entropy as ce
-    assert not ce._use_triton(torch.zeros(1, device="meta").new_empty(1))
+    ops = ("pack_shard", "pack_grads", "copy_out", "quantize_shard", "dequantize_copy_out", "linear_cross_entropy")
+    # on CUDA "auto" picks Triton only for the ops measured faster there (CUDA_DEFAULT); never on the CPU
+    for op in ops:
+        assert kernels.use_triton(op, cuda) == (op in kernels.CUDA_DEFAULT), op
+        assert not kernels.use_triton(op, cpu)
+        assert kernels.use_triton(op, cpu, "triton") and not kernels.use_triton(op, cuda, "torch")
+    assert kernels.CUDA_DEFAULT - {"copy_out"} and "copy_out" not in kernels.CUDA_DEFAULT
+    with kernels.forced("triton"):  # the tests' switch: Triton on the CPU (under the interpreter)
+        assert all(kernels.use_triton(op, cpu) for op in ops) and not kernels.use_triton("copy_out", cpu, "torch")
+        monkeypatch.setenv(kernels.TRITON_ENV, "0")  # the one environment switch wins over a forced block
+        assert not any(kernels.use_triton(op, cuda) for op in ops)
+        assert kernels.use_triton("pack_grads", cuda, "triton")  # an explicit backend still wins
+    monkeypatch.setenv(kernels.TRITON_ENV, "1")
+    assert all(kernels.use_triton(op, cpu) for op in ops)
+    monkeypatch.setenv(kernels.TRITON_ENV, "yes")
+    with pytest.raises(ValueError, match="FXPAR_KERNELS_TRITON='yes'"):
+        kernels.use_triton("copy_out", cpu)
+    with pytest.raises(ValueError, match="backend must be"):
+        kernels.forced("cuda").__enter__()
 
 
 def test_fake_kernels_trace():
@@ -235,7 +244,7 @@ def interpreter_results(path: str) -> dict:
     """Run the test module ``path`` as a script under TRITON_INTERPRET=1 and read its cases' results."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env.pop(buckets.TRITON_ENV, None)
+    env.pop(kernels.TRITON_ENV, None)
     proc = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -203,6 +203,7 @@ def test_two_ranks_equal_unsplit(pool2):
 _INTERPRETED = r"""
 import torch
 from fxpar.runtime.kernels import cross_entropy as ce
+from fxpar.runtime.kernels import forced
 
 assert type(ce._stats_kernel).__name__ == "InterpretedFunction", type(ce._stats_kernel)
 ce._BLOCK = 128  # several loop steps per row, the last one masked
@@ -229,7 +230,7 @@ want = run()
 calls = []
 real = ce.stats_triton
 ce.stats_triton = lambda *a, **k: calls.append(1) or real(*a, **k)
-with ce.set_triton_on_cpu():
+with forced("triton"):
     got = run()
 assert len(calls) == 3, calls  # the op took the Triton path, one launch per chunk
 for a, b in zip(got, want):
