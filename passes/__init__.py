@@ -113,7 +113,9 @@ STAGE_PASSES = (  # StageSpec -> StageSpec, only the stages this rank runs, pass
     Pass("retarget_device", retarget_device,
          when=lambda c: c.load is not None and c.traced_on_meta),  # after weights: factory calls follow them
     Pass("zero3", _zero3, when=lambda c: c.plan.zero == 3),  # after TP and split: shards what this rank holds
-    Pass("drop_dtype_asserts", drop_dtype_asserts),  # every plan: see the pass's docstring
+    # under bf16 autocast, or where Dynamo will trace the stage (its docstring says why)
+    Pass("drop_dtype_asserts", drop_dtype_asserts,
+         when=lambda c: c.plan.mixed_precision == "bf16" or c.plan.compiles_on(c.device)),
     # after TP (its sequence-parallel gathers and reduce-scatters) and zero3 (its weight views), before
     # recompute (which outlines layers): chunks each gather -> linears and linear -> reduce-scatter
     Pass("collective_matmul", collective_matmul,

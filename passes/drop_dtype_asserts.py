@@ -4,7 +4,8 @@ They assert the dtype and device each value had at trace time, and both can diff
 under bf16 autocast the same values are bf16; a model traced with inputs on ``"cuda"`` records that
 device without an index, which the fake tensors of ``torch.compile`` on CUDA (``"cuda:0"``) fail
 ("Tensor device mismatch! Expected: cuda, Got: cuda:0", measured on an H100: ZeRO-3 stages fell back to
-eager, docs/benchmarks.md "GPU checks"). They compute nothing, so removing them changes no result.
+eager, docs/benchmarks.md "GPU checks"). They compute nothing, so removing them changes no result; the
+pass runs where either can happen: under bf16, and where the stage will be compiled.
 Reads and writes: ``call_function`` nodes of that target.
 """
 

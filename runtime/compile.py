@@ -49,6 +49,7 @@ import torch.distributed as dist
 from fxpar.ir.errors import FxparError
 from fxpar.ir.ops import collective_kind
 from fxpar.ir.options import run_options
+from fxpar.ir.plan import Plan
 from fxpar.runtime.groups import registered_groups, resolve_group
 
 __all__ = ["CompiledStage", "compile_enabled", "compile_stage", "enable_async_tp", "funcol_group", "inductor_profile",
@@ -62,8 +63,8 @@ ZERO3_BUCKET_CAP_MB = 25.0  # what Inductor may merge ZeRO-3's gathers into (fxp
 
 
 def compile_enabled(setting: bool | None, device: torch.device) -> bool:
-    """What ``Plan.compile`` means on ``device``: None is on for CUDA and off elsewhere."""
-    return setting if setting is not None else torch.device(device).type == "cuda"
+    """What ``Plan.compile`` means on ``device`` (:meth:`fxpar.ir.plan.Plan.compiles_on`)."""
+    return Plan(compile=setting).compiles_on(device)
 
 
 def funcol_group(name: str) -> tuple[str, int, int] | None:

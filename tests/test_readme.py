@@ -32,7 +32,7 @@ def test_readme_commands_go_through_dev_and_name_what_exists():
         words = shlex.split(cmd)
         words = [w for w in words if not re.fullmatch(r"[A-Z_]+=\S*", w)]  # FXPAR_DUMP_DIR=out in front
         assert words[0] == "./dev", f"README command not run through ./dev (not on PATH on a fresh machine): {cmd}"
-        assert words[1] in ("demo", "test", "run", "lint", "setup"), cmd
+        assert words[1] in ("demo", "test", "run", "lint", "setup", "gpu"), cmd
         if words[1] != "run":
             continue
         assert words[2] in VENV_PROGRAMS, f"./dev run {words[2]}: not a program .venv provides: {cmd}"

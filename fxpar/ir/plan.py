@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from fxpar.ir.errors import PlanError
 from fxpar.ir.schedule import normalize_schedule
 
@@ -160,6 +162,10 @@ class Plan:
     def replicas(self) -> int:
         """Data replicas, each with its own slice of the batch: ``dp * ep`` (EP is carved out of dp)."""
         return self.dp * self.ep
+
+    def compiles_on(self, device) -> bool:
+        """What ``compile`` means on ``device``: None is on for CUDA and off elsewhere."""
+        return self.compile if self.compile is not None else torch.device(device).type == "cuda"
 
     def to_dict(self) -> dict:
         """The fields as plain JSON-able values (``tp_replicate`` as a list), what ``Plan(**d)`` reads back."""
