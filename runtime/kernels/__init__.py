@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 
 import torch
+
+from fxpar.ir.options import kernels_triton
 
 try:
     import triton
@@ -56,10 +57,8 @@ def use_triton(op: str, device: torch.device, backend: str = "auto") -> bool:
     """Whether kernel ``op`` runs its Triton path on ``device`` (see the module docstring for the order)."""
     _check(backend)
     if backend == "auto":
-        env = os.environ.get(TRITON_ENV, "")
-        if env not in ("", "0", "1"):
-            raise ValueError(f"{TRITON_ENV}={env!r}: use 1 (the Triton path everywhere) or 0 (torch's everywhere)")
-        backend = {"1": "triton", "0": "torch"}.get(env, _FORCED.get())
+        env = kernels_triton()  # FXPAR_KERNELS_TRITON, read with fxpar's other options
+        backend = _FORCED.get() if env is None else ("triton" if env else "torch")
     if backend == "torch":
         return False
     if backend == "triton":
