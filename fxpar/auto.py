@@ -25,6 +25,7 @@ from fxpar.ir.batch import batch_size
 from fxpar.ir.errors import PlanError
 from fxpar.ir.options import run_options
 from fxpar.ir.plan import Plan
+from fxpar.runtime import dist_calls
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -312,8 +313,7 @@ def check_same_plan(plan: Plan, world: int) -> None:
     all-gather) once it exists; a PlanError naming the differing plans otherwise."""
     if world == 1 or not (dist.is_available() and dist.is_initialized()):
         return
-    keys: list = [None] * world
-    dist.all_gather_object(keys, plan_key(plan))
+    keys = dist_calls.all_gather_object(plan_key(plan))
     message = plan_mismatch(keys)
     if message:
         raise PlanError(message)

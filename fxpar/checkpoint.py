@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from fxpar.ir.errors import CheckpointError, PlanError
+from fxpar.runtime import dist_calls
 from fxpar.runtime.liveness import guard
 from fxpar.runtime.state import Held, local_state
 from fxpar.safetensors_writer import SafetensorsWriter
@@ -65,7 +66,7 @@ FORMAT = 2  # 1: full tensors and optim.rank<r>.pt files (still read)
 def _barrier() -> None:
     if dist.is_initialized():
         with guard("a checkpoint barrier"):  # a peer that died is named, within the group's timeout
-            dist.barrier()
+            dist_calls.barrier()
 
 
 def _rank() -> int:
@@ -348,9 +349,8 @@ def export_hf(compiled, directory: str | Path, max_shard_size: int | str = "5GB"
     program = compiled.program
     held = local_state(compiled)
     mine = [(k[len("model."):], h.shape, h.dtype, [(o, tuple(v.shape)) for o, v in h.chunks]) for k, h in held.items()]
-    every = [None] * compiled.world if _rank() == 0 else None
     if dist.is_initialized() and compiled.world > 1:
-        dist.gather_object(mine, every, dst=0)
+        every = dist_calls.gather_object(mine, dst=0)
     else:
         every = [mine]
     order, seen = [], {a for group in program.tied_groups() for a in group[1:]}  # tied: the first name only
@@ -380,13 +380,13 @@ def export_hf(compiled, directory: str | Path, max_shard_size: int | str = "5GB"
                     box.copy_(local[o])
                 else:
                     buf = torch.empty(z, dtype=dtype, device=compiled.device)
-                    dist.recv(buf, src=r)
+                    dist_calls.recv(buf, r)
                     box.copy_(buf)
             writer.write(name, full.cpu())
             del full
         elif "model." + fqn in held:
             for _, view in held["model." + fqn].chunks:
-                dist.send(view.contiguous(), dst=0)
+                dist_calls.send(view.contiguous(), 0)
     _barrier()
     return directory
 

@@ -56,9 +56,8 @@ import torch.distributed as dist
 
 from fxpar.ir.buckets import FlatBucket
 from fxpar.ir.optim import ParamGroups, check_optimizer, make_optimizer
+from fxpar.runtime import dist_calls
 from fxpar.runtime.collectives import _backend_of as backend_of
-from fxpar.runtime.collectives import _reduce_scatter_single as reduce_scatter_single
-from fxpar.runtime.collectives import all_gather_single
 from fxpar.runtime.groups import resolve_group
 
 
@@ -214,7 +213,7 @@ class DataParallelEngine:
         elif b.dp == 1:  # nothing to reduce
             b.work = _DONE
         else:
-            b.work = dist.all_reduce(b.flat, group=resolve_group(b.group), async_op=True)
+            b.work = dist_calls.all_reduce(b.flat, b.group, async_op=True)
             self.comm["all_reduce"] += b.flat.numel() * b.flat.element_size()
         if self.zero == 2:  # the bucket holds the gradients now; the full ones go
             for p in b.params:
@@ -267,13 +266,13 @@ class DataParallelEngine:
         if self.zero == 1:
             for b in self.buckets:
                 if b.dp > 1:
-                    all_gather_single(b.flat, b.part, group=resolve_group(b.group))
+                    dist_calls.all_gather_into(b.flat, b.part, b.group)
                     self.comm["all_gather"] += b.flat.numel() * b.flat.element_size()
 
     def _all_reduce_replicas(self, tensors: list[torch.Tensor]) -> None:
         """Sum ``tensors`` (this rank's shard gradients) over the replica group, in place, all in flight at once."""
         pg = resolve_group(self.replicate[0])
-        works = [dist.all_reduce(t, group=pg, async_op=True) for t in tensors]
+        works = [dist_calls.all_reduce(t, pg, async_op=True) for t in tensors]
         self.comm["all_reduce"] += sum(t.numel() * t.element_size() for t in tensors)
         for w in works:
             w.wait()
@@ -296,7 +295,7 @@ class DataParallelEngine:
                     continue
                 pg = resolve_group(b.group)
                 full = torch.empty(b.shard_numel * b.dp, dtype=b.shard.dtype, device=device)
-                all_gather_single(full, b.shard.detach().to(device), group=pg)
+                dist_calls.all_gather_into(full, b.shard.detach().to(device), pg)
                 self.comm["all_gather"] += full.numel() * full.element_size()
                 b.scatter_into(full)
 
@@ -330,9 +329,9 @@ def _reduce_scatter(b: _Bucket) -> tuple[object, torch.Tensor | None]:
     None where gloo, which has no reduce-scatter, all-reduces the whole bucket and the shard is its slice)."""
     pg = resolve_group(b.group)
     if backend_of(pg, b.flat.device) == "gloo":
-        return dist.all_reduce(b.flat, group=pg, async_op=True), None
+        return dist_calls.all_reduce(b.flat, pg, async_op=True), None
     part = b.flat.new_empty(b.shard_numel)
-    return reduce_scatter_single(part, b.flat, group=pg, async_op=True), part
+    return dist_calls.reduce_scatter_into(part, b.flat, pg, async_op=True), part
 
 
 class _Done:

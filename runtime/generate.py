@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
+from fxpar.runtime import dist_calls
 from fxpar.runtime.liveness import guard
 
 WHERE = "fxpar.runtime.generate"
@@ -88,7 +89,7 @@ def _generator(seed: int | None) -> torch.Generator:
     if seed is None:
         drawn = torch.randint(0, 2**62, (1,), dtype=torch.long)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(drawn, src=0)
+            dist_calls.broadcast(drawn, 0)
         seed = int(drawn.item())
     return torch.Generator().manual_seed(seed)
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.stage import CompileResult
+from fxpar.runtime import dist_calls
 from fxpar.runtime.state import canonical_names, owning_ranks
 
 __all__ = ["check_max_grad_norm", "make_clipper", "stepped_tensors", "GradClipper"]
@@ -149,7 +149,7 @@ class GradClipper:
         for piece in pieces:
             sq += torch.linalg.vector_norm(piece, dtype=torch.float64).square().to(self.device)
         if self.world > 1:
-            dist.all_reduce(sq)
+            dist_calls.all_reduce(sq)
         return sq.sqrt()
 
     def last_norm(self) -> float | None:

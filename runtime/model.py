@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from fxpar.ir.batch import batch_size, check_shapes, loss_weights, split_batch
@@ -30,6 +29,7 @@ from fxpar.ir.optim import ParamGroups, make_optimizer, state_count
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.stage import CompileResult, PipelineProgram
+from fxpar.runtime import dist_calls
 from fxpar.runtime.compile import compile_enabled, compile_stage
 from fxpar.runtime.data_parallel import DataParallelEngine, held_bytes
 from fxpar.runtime.expert_parallel import ExpertParallelRecord
@@ -138,7 +138,7 @@ class CompiledModel:
         if self.world > 1:  # the loss stage's TP rank 0 of every replica holds its share of the global loss
             if not (loss_stage.rank == self.pp_rank and self.tp_rank == 0):
                 loss.zero_()
-            work = dist.all_reduce(loss, async_op=True)  # in flight while the gradients sync and the optimizer steps
+            work = dist_calls.all_reduce(loss, async_op=True)  # in flight while gradients sync and the optimizer steps
         if self.engine is not None:
             self.engine.finish()
         if self.clipper is not None:  # between the gradients' sync and the optimizer step
@@ -182,7 +182,7 @@ class CompiledModel:
                          else [1 / (self.m * self.dp)] * self.m)
                     full = sum((a * b for a, b in zip(w, parts) if a), torch.zeros((), device=self.device)).to(val.dtype)
             if self.world > 1:
-                dist.all_reduce(full)
+                dist_calls.all_reduce(full)
             outs.append(full)
         return pytree.tree_unflatten(outs, result.program.out_spec)
 

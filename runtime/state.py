@@ -11,13 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from fxpar.ir.errors import PlanError
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.placement import ShardLayout
 from fxpar.ir.stage import CompileResult
-from fxpar.runtime.groups import resolve_group
+from fxpar.runtime import dist_calls
 
 
 def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpec, device: torch.device,
@@ -55,7 +54,7 @@ def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpe
             shape[0] *= mesh.ep
             if mine:
                 parts = [torch.empty_like(local) for _ in range(mesh.ep)]
-                dist.all_gather(parts, local.detach().contiguous(), group=resolve_group(mesh.group_name("ep")))
+                dist_calls.all_gather_list(parts, local.detach().contiguous(), mesh.group_name("ep"))
                 full = torch.cat(parts)
             else:
                 full = torch.empty(shape, dtype=local.dtype, device=device)
@@ -64,7 +63,7 @@ def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpe
         else:
             full = local.detach().clone() if mine else torch.empty(shape, dtype=local.dtype, device=device)
         if mesh.world_size > 1 and fqn in owner:
-            dist.broadcast(full, src=owner[fqn] * mesh.tp)
+            dist_calls.broadcast(full, owner[fqn] * mesh.tp)
         out[name] = full
     return out
 
@@ -77,7 +76,7 @@ def _gather_tp(local: torch.Tensor, layout: ShardLayout, shape: list[int], mesh:
     padded = local.new_zeros(tuple(local.shape[:d]) + (most,) + tuple(local.shape[d + 1:]))
     padded.narrow(d, 0, local.shape[d]).copy_(local)
     parts = [torch.empty_like(padded) for _ in range(mesh.tp)]
-    dist.all_gather(parts, padded, group=resolve_group(mesh.group_name("tp")))
+    dist_calls.all_gather_list(parts, padded, mesh.group_name("tp"))
     return [p.narrow(d, 0, n) for p, n in zip(parts, sizes)]
 
 

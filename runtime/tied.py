@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.stage import PipelineProgram
+from fxpar.runtime import dist_calls
 
 
 def make_tied_groups(pipeline: PipelineProgram, mesh: MeshSpec, stage_to_rank, *,
@@ -38,4 +39,4 @@ def sum_tied_grads(groups, program, pp_rank: int) -> None:
             p = program.tensor(fqn)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
+            dist_calls.all_reduce(p.grad, group)

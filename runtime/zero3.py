@@ -17,8 +17,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxpar.ir.ops import gather_params
-from fxpar.runtime.collectives import all_gather_single, observing_param_gathers
-from fxpar.runtime.groups import resolve_group
+from fxpar.runtime import dist_calls
+from fxpar.runtime.collectives import observing_param_gathers
 
 __all__ = ["Zero3Gatherer", "Zero3Regather"]
 
@@ -130,6 +130,6 @@ class Zero3Gatherer:
             if self.dp == 1:  # the shard is the bucket (no group to gather over)
                 full.copy_(src)
             else:
-                all_gather_single(full, src.contiguous(), group=resolve_group(self.group))
+                dist_calls.all_gather_into(full, src.contiguous(), self.group)
             self._bucket, self._pieces = b, {self.canonical(n): v for n, v in b.unflatten(full).items()}
         return self._pieces[fqn]

@@ -44,6 +44,7 @@ from fxpar.data.encode import encode_chat, encode_text
 from fxpar.data.reader import ShardReader
 from fxpar.data.spec import DataSpec
 from fxpar.ir.errors import PlanError
+from fxpar.runtime import dist_calls
 
 STREAM_ABOVE = 8 << 20  # bytes: --streaming auto streams larger files
 MODES = ("auto", "on", "off")
@@ -156,8 +157,7 @@ def _exchange(mine: dict, world: int, n: int) -> list[tuple]:
     raised on every rank."""
     parts = [mine]
     if world > 1:
-        parts = [None] * world
-        dist.all_gather_object(parts, mine)
+        parts = dist_calls.all_gather_object(mine)
     every = {j: p for part in parts for j, p in part.items()}
     for j in range(n):
         if every[j][2] is not None:

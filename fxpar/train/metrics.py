@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from fxpar.cost.profiles import DeviceProfile, profile_for_device
 from fxpar.ir import meta
+from fxpar.runtime import dist_calls
 
 
 def step_flops(program) -> int:
@@ -51,7 +52,7 @@ def memory_per_rank(compiled) -> list[float]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [mine.item()]
     out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
+    dist_calls.all_gather_list(out, mine)
     return [t.item() for t in out]
 
 

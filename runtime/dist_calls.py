@@ -1,0 +1,155 @@
+"""The runtime's torch.distributed calls outside the IR's collective ops: the DP engine's bucket
+reductions, the loss's average, gradient norms, tied weights, gathering the full state, checkpoint
+transfers, and the small object gathers of set-up. With :mod:`fxpar.runtime.collectives` (the kernels of
+the ``torch.ops.fxpar.*`` ops) these are the only modules that call torch.distributed's collectives
+(``tests/test_layering.py`` checks it), so every collective of fxpar behaves alike:
+
+* a wait is bounded by the process group's timeout (``Work.wait()`` without an argument: gloo raises,
+  NCCL's watchdog aborts), nothing waits for ever;
+* a failure or timeout becomes a :class:`~fxpar.ir.errors.CollectiveError` naming the call, the group,
+  its ranks, the tensor's shape and dtype; which rank died is :mod:`fxpar.runtime.liveness`'s to say.
+
+``group`` is a group name of :mod:`fxpar.runtime.groups`, a process group, or None (the default group).
+Asynchronous calls return a :class:`Pending` whose ``wait()`` does the same.
+
+Reads: tensors, group names / process groups. Writes: the tensors the call fills.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpar.ir.errors import CollectiveError
+from fxpar.runtime.groups import resolve_group
+
+__all__ = ["Pending", "all_gather_into", "all_gather_list", "all_gather_object", "all_reduce", "barrier", "gather_object",
+           "broadcast", "recv", "reduce_scatter_into", "send"]
+
+# torch 2.13 names the single-tensor all-gather / reduce-scatter *_single; older releases *_into_tensor / *_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _pg(group):
+    return resolve_group(group) if isinstance(group, str) else group
+
+
+def _name(group) -> str:
+    if isinstance(group, str):
+        return group
+    return "world" if group is None else f"process group of ranks {_ranks(group)}"
+
+
+def _ranks(pg) -> list[int]:
+    try:
+        return sorted(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
+    except Exception:  # for a message only
+        return []
+
+
+def _failure(call: str, group, x, e: BaseException) -> CollectiveError:
+    what = f"input shape {tuple(x.shape)}, dtype {x.dtype}" if isinstance(x, torch.Tensor) else "a Python object"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return CollectiveError(
+        f"torch.distributed.{call} failed or timed out ({what}, rank {rank} of the world; one of the "
+        f"group's ranks {_ranks(_pg(group))} failed to arrive; the wait is bounded by the process group's "
+        f"timeout): {e}", op=call, group=_name(group), sizes=[tuple(x.shape)] if isinstance(x, torch.Tensor) else None)
+
+
+class Pending:
+    """An asynchronous call in flight: :meth:`wait` waits at most the group's timeout and raises a
+    :class:`CollectiveError` on a failure."""
+
+    def __init__(self, call: str, group, x, work):
+        self.call, self.group, self.x, self.work = call, group, x, work
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        try:
+            self.work.wait()
+        except RuntimeError as e:  # DistBackendError and gloo's timeouts are RuntimeErrors
+            raise _failure(self.call, self.group, self.x, e) from e
+        finally:
+            self.work = None
+
+
+def _run(call: str, group, x, launch: Callable[[], Any], async_op: bool) -> Pending | None:
+    try:
+        work = launch()
+    except RuntimeError as e:
+        raise _failure(call, group, x, e) from e
+    pending = Pending(call, group, x, work)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+def all_reduce(t: torch.Tensor, group=None, *, op: str = "sum", async_op: bool = False) -> Pending | None:
+    """Reduce ``t`` in place over ``group`` ("sum", "max" or "min")."""
+    return _run("all_reduce", group, t, lambda: dist.all_reduce(t, op=_OPS[op], group=_pg(group), async_op=True),
+                async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group=None, *, async_op: bool = False) -> Pending | None:
+    """Sum ``t`` over ``group`` and write this rank's ``1 / size`` of it into ``out``."""
+    return _run("reduce_scatter", group, t,
+                lambda: _REDUCE_SCATTER(out, t, group=_pg(group), async_op=True), async_op)
+
+
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group=None, *, async_op: bool = False) -> Pending | None:
+    """Every rank's ``t`` of ``group``, back to back, into ``out``."""
+    return _run("all_gather", group, t, lambda: _ALL_GATHER(out, t, group=_pg(group), async_op=True), async_op)
+
+
+def all_gather_list(parts: list[torch.Tensor], t: torch.Tensor, group=None) -> None:
+    """Every rank's ``t`` of ``group`` into ``parts`` (one tensor per rank, shapes may differ by rank)."""
+    _run("all_gather", group, t, lambda: dist.all_gather(parts, t, group=_pg(group), async_op=True), False)
+
+
+def broadcast(t: torch.Tensor, src: int, group=None) -> None:
+    """Rank ``src``'s (a global rank) ``t`` into every rank's ``t``."""
+    _run("broadcast", group, t, lambda: dist.broadcast(t, src, group=_pg(group), async_op=True), False)
+
+
+def send(t: torch.Tensor, dst: int) -> None:
+    """``t`` to global rank ``dst`` (it waits until the transfer is done)."""
+    _run("send", None, t, lambda: dist.isend(t, dst), False)
+
+
+def recv(t: torch.Tensor, src: int) -> None:
+    """Global rank ``src``'s message into ``t``."""
+    _run("recv", None, t, lambda: dist.irecv(t, src), False)
+
+
+def barrier(group=None) -> None:
+    """Wait until every rank of ``group`` is here."""
+    _run("barrier", group, None, lambda: dist.barrier(group=_pg(group), async_op=True), False)
+
+
+def all_gather_object(obj: Any, group=None) -> list[Any]:
+    """Every rank's picklable ``obj`` of ``group``, in rank order."""
+    pg = _pg(group)
+    out: list[Any] = [None] * dist.get_world_size(pg)
+    try:
+        dist.all_gather_object(out, obj, group=pg)
+    except RuntimeError as e:
+        raise _failure("all_gather_object", group, None, e) from e
+    return out
+
+
+def gather_object(obj: Any, dst: int = 0, group=None) -> list[Any] | None:
+    """Every rank's picklable ``obj`` of ``group`` on global rank ``dst`` (in rank order); None elsewhere."""
+    pg = _pg(group)
+    out: list[Any] | None = [None] * dist.get_world_size(pg) if dist.get_rank() == dst else None
+    try:
+        dist.gather_object(obj, out, dst=dst, group=pg)
+    except RuntimeError as e:
+        raise _failure("gather_object", group, None, e) from e
+    return out
