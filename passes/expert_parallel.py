@@ -36,11 +36,9 @@ from fxpar.cost.flops import annotate_costs
 from fxpar.ir import expert_ops, meta
 from fxpar.ir.errors import PlanError
 from fxpar.ir.expert_ops import EpResult
+from fxpar.ir.op_classes import WEIGHT_VIEWS, expert_matmuls, packet
 from fxpar.ir.program import Program
 from fxpar.passes.local import bind_local
-
-GROUPED_MM = ("transformers::grouped_mm_fallback", "aten::_grouped_mm")
-_VIEWS = {"transpose", "permute", "view", "reshape", "_to_copy", "to", "contiguous", "alias", "t", "expand"}
 
 
 @dataclass
@@ -58,15 +56,10 @@ class Region:
     sides: dict[torch.fx.Node, list[torch.fx.Node]]  # per-row inputs from outside (expert biases) -> readers
 
 
-def _name(node: torch.fx.Node) -> str:
-    packet = getattr(node.target, "overloadpacket", node.target)
-    return getattr(packet, "_qualified_op_name", getattr(node.target, "__name__", str(node.target)))
-
-
 def _chain(node) -> list[torch.fx.Node]:
     """A weight argument and the views it reads through, down to what they view (last)."""
     out = [node]
-    while node.op == "call_function" and _name(node).partition("::")[2].split(".")[0] in _VIEWS:
+    while node.op == "call_function" and packet(node) in WEIGHT_VIEWS:
         node = node.args[0]
         out.append(node)
     return out
@@ -93,8 +86,9 @@ def expert_regions(program: Program, ep: int) -> list[Region]:
     """Every expert region of ``program`` in graph order, checked for ``ep`` ranks (PlanError otherwise)."""
     bound = {b.placeholder: b.target for b in program.inputs if b.kind == "parameter"}
     by_offs: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    grouped = expert_matmuls()
     for n in program.graph.nodes:
-        if n.op == "call_function" and _name(n) in GROUPED_MM and len(n.args) >= 3 \
+        if n.op == "call_function" and packet(n) in grouped and len(n.args) >= 3 \
                 and isinstance(n.args[2], torch.fx.Node) and _param_of(n.args[1], bound):
             by_offs.setdefault(n.args[2], []).append(n)
     where = f"{program.info.model_class or 'the model'}"

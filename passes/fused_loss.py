@@ -27,12 +27,10 @@ import torch.fx
 
 from fxpar.cost.flops import annotate_costs
 from fxpar.ir import fused_ops, meta
-from fxpar.ir.op_classes import ASSERTS
+from fxpar.ir.op_classes import ASSERTS, ORDER_KEEPING
 from fxpar.ir.program import Program
 
 aten = torch.ops.aten
-_ORDER_KEEPING = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.to.dtype,
-                  aten._to_copy.default, aten.contiguous.default, aten.clone.default, aten.alias.default}
 _CE_ARGS = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
 
 __all__ = ["fuse_loss"]
@@ -74,7 +72,7 @@ def _match(ce: torch.fx.Node):
         return None
     vocab = xv.shape[-1]
     chain = []
-    while x.op == "call_function" and x.target in _ORDER_KEEPING:
+    while x.op == "call_function" and x.target in ORDER_KEEPING:
         v = x.meta.get(meta.VAL)
         if not isinstance(v, torch.Tensor) or v.shape[-1] != vocab:
             return None

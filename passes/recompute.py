@@ -55,16 +55,13 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
+from fxpar.ir.op_classes import PRODUCT_KERNELS
 from fxpar.ir.schedule import normalize_schedule
 from fxpar.ir.stage import StageSpec
 
 __all__ = ["Recomputed", "layer_units", "policy", "recompute", "saved_op", "unit_of"]
 
 _INDEX = re.compile(r"^\d+$")
-# matmul-like ops whose outputs selective recompute keeps (what autograd dispatches below aten.linear,
-# aten.matmul and the attention entry points), by overload packet
-_MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
-            torch.ops.aten.convolution, torch.ops.aten._scaled_mm}
 _NOT_SAVED_COLLECTIVES = ("gather_params",)  # ZeRO-3 regathers instead of holding the bucket
 SPLIT_BACKWARD = ("zbv", "interleaved_zb")  # schedules whose backward is two autograd passes (I, then W)
 
@@ -73,7 +70,7 @@ def saved_op(func) -> bool:
     """Whether selective recompute keeps ``func``'s output: matmuls, attention kernels, and fxpar's TP
     collectives (not ZeRO-3's parameter gathers)."""
     packet = getattr(func, "overloadpacket", None)
-    if packet in _MATMULS:
+    if packet in PRODUCT_KERNELS:  # what autograd dispatches below aten.linear, aten.matmul, convolutions
         return True
     name = func.name() if hasattr(func, "name") else str(func)
     ns, _, op = name.partition("::")

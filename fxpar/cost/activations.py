@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from fxpar.cost.saved import MATMUL_LIKE, SavedTensors
+from fxpar.cost.saved import SavedTensors
 from fxpar.ir import meta
+from fxpar.ir.op_classes import MATMUL_LIKE
 from fxpar.ir.program import Program
 
 RECOMPUTE = ("none", "layer", "selective")

@@ -24,32 +24,18 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fxpar.ir import meta
 from fxpar.ir.analysis import grad_flow
 from fxpar.ir.numeric import nbytes, to_int
-from fxpar.ir.op_classes import VIEW_OPS
+from fxpar.ir.op_classes import GRAD_READS_INPUT, GRAD_READS_OUTPUT, GRAD_READS_SHAPES
 from fxpar.ir.program import Program
 
 aten = torch.ops.aten
 
-# each operand is kept when the other one needs a gradient (the product rule): operand positions
+# what each op's backward reads: by op set (fxpar.ir.op_classes.GRAD_READS_*), or by these tables of
+# operand positions. Each operand is kept when the other one needs a gradient (the product rule):
 _CROSS = {aten.linear: (0, 1), aten.matmul: (0, 1), aten.mm: (0, 1), aten.bmm: (0, 1), aten.mul: (0, 1),
           aten.addmm: (1, 2), aten.baddbmm: (1, 2)}
-# the backward reads the op's output
-_OUTPUT = frozenset({aten.rsqrt, aten.sqrt, aten.exp, aten.tanh, aten.sigmoid, aten.relu, aten.softmax,
-                     aten._softmax, aten.log_softmax, aten._log_softmax, aten.reciprocal})
-# the backward reads the first operand
-_INPUT = frozenset({aten.pow, aten.silu, aten.gelu, aten.log, aten.log1p, aten.sin, aten.cos, aten.erf,
-                    aten.abs, aten.softplus, aten.leaky_relu, aten.mish, aten.elu, aten.hardtanh, aten.square,
-                    aten.amax, aten.amin})
 # the backward reads an index or mask operand (position)
 _INDEX = {aten.embedding: 1, aten.index: 1, aten.gather: 2, aten.index_select: 2, aten.where: 0,
           aten.masked_fill: 1, aten.scatter: 2, aten.nll_loss: 1, aten.nll_loss_nd: 1}
-# the backward needs shapes only
-_NOTHING = VIEW_OPS | frozenset({
-    aten.add, aten.sub, aten.rsub, aten.neg, aten.cat, aten.stack, aten.sum, aten.mean, aten.clone,
-    aten._to_copy, aten.to, aten.copy, aten.copy_, aten.alias, aten.detach, aten.pad, aten.constant_pad_nd,
-    aten.repeat, aten.tril, aten.triu, aten.flip, aten.roll, aten.zeros_like, aten.ones_like, aten.full_like,
-})
-# the ops whose outputs selective recompute keeps: matrix products and attention
-MATMUL_LIKE = frozenset(_CROSS) - {aten.mul} | {aten.scaled_dot_product_attention}
 
 
 @dataclass(frozen=True)
@@ -135,11 +121,11 @@ class SavedTensors:
             i, j = _CROSS[pkt]
             needs = [isinstance(args[k], torch.fx.Node) and args[k] in self.flows for k in (i, j)]
             return self._operands(node, [p for p, other in ((i, needs[1]), (j, needs[0])) if other])
-        if pkt in _NOTHING or pkt is operator.getitem:
+        if pkt in GRAD_READS_SHAPES or pkt is operator.getitem:
             return []
-        if pkt in _OUTPUT:
+        if pkt in GRAD_READS_OUTPUT:
             return self.value(node)
-        if pkt in _INPUT:
+        if pkt in GRAD_READS_INPUT:
             return self._operands(node, [0])
         if pkt in _INDEX:
             return self._operands(node, [_INDEX[pkt]])

@@ -7,8 +7,24 @@ them apart here rather than in private copies:
   data movement (bytes, no FLOPs);
 * :data:`RESHAPES`, :data:`PASS_THROUGH`, :data:`SPLITS`, :data:`REDUCTIONS`, :data:`SOFTMAX`,
   :data:`LINEAR_UNARY`, :data:`ASSERTS`: what the tensor-parallel pass reasons about (a layout flows
-  through them, or they are linear in their operand);
+  through them, or they are linear in their operand); :data:`DIM_MOVES`, :data:`DIM_MOVES_AND_CUTS`,
+  :data:`NORMS`, :data:`BATCHED_MATMULS`, :data:`ATTENTION_PRODUCTS`, :data:`CACHE_WRITES`,
+  :data:`LOSSES`, :data:`COLUMN_CARRIERS`, :data:`TOKEN_GATHERS`, :data:`VIEWS_AND_CASTS`: what its
+  analyses walk through;
+* :data:`MATMUL_LIKE`, :data:`GRAD_READS_OUTPUT`, :data:`GRAD_READS_INPUT`, :data:`GRAD_READS_SHAPES`:
+  what autograd keeps for backward (``fxpar.cost.saved``); :data:`MATMUL_KERNELS`,
+  :data:`PRODUCT_KERNELS`: the products seen at dispatch (selective recompute, the profiled reference
+  step);
+* :data:`ORDER_KEEPING` (by ``OpOverload``): what the fused loss looks through;
+  :data:`WEIGHT_VIEWS`, :func:`expert_matmuls`: what expert parallelism finds its regions by;
 * :func:`is_pointwise`, :func:`is_grouped_mm`: predicates on a node.
+
+A line here is a rule a consumer depends on. Sets that look alike (``DIM_MOVES`` and
+``DIM_MOVES_AND_CUTS``, ``BATCHED_MATMULS`` and ``ATTENTION_PRODUCTS``, ``MATMUL_KERNELS`` and
+``PRODUCT_KERNELS``, ``VIEWS_AND_CASTS`` and ``WEIGHT_VIEWS``, ``GROUPED_MM`` and
+:data:`EXPERT_MATMUL_NAMES`) keep the members their consumers had before they were gathered here;
+merging two changes what a pass does, and wants a test of both consumers. ``tests/test_op_sets.py``
+fails on a module-level op set declared anywhere else.
 """
 
 from __future__ import annotations
@@ -46,12 +62,97 @@ ASSERTS = frozenset({aten._assert_tensor_metadata})
 SPLITS = frozenset({aten.chunk, aten.split, aten.split_with_sizes})
 REDUCTIONS = frozenset({aten.mean, aten.sum, aten.amax, aten.amin})
 SOFTMAX = frozenset({aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax})
+# copies and casts of one tensor (PASS_THROUGH but dropout, which is not linear and draws a mask)
+COPIES_AND_CASTS = PASS_THROUGH - {aten.dropout}
 # unary ops linear in their input (f(a + b) = f(a) + f(b)): a partial sum stays one through them
-LINEAR_UNARY = RESHAPES | (PASS_THROUGH - {aten.dropout}) | {
+LINEAR_UNARY = RESHAPES | COPIES_AND_CASTS | {
     aten.transpose, aten.permute, aten.unsqueeze, aten.squeeze, aten.expand, aten.sum, aten.mean, aten.t}
 
-# names of grouped (per-expert) matmul ops, whichever library defines them
+# dims reordered or added, every input dim whole in the output (TP packing follows a packed dim through)
+DIM_MOVES = frozenset({aten.transpose, aten.permute, aten.t, aten.numpy_T, aten.unsqueeze, aten.expand})
+# also dims dropped, merged, narrowed or broadcast (TP inference follows a shard's dim through each)
+DIM_MOVES_AND_CUTS = DIM_MOVES | {aten.squeeze, aten.broadcast_to, aten.flatten, aten.slice, aten.select}
+# ops that only view or cast one tensor: a gradient summed before them is summed for them too (TP scans)
+VIEWS_AND_CASTS = COPIES_AND_CASTS | {aten.select, aten.unsqueeze, aten.transpose, aten.squeeze, aten.view,
+                                      aten.reshape, aten.permute, aten.slice, aten.expand}
+# normalizations over trailing dims (layer / RMS norm) or channel groups (group norm)
+NORMS = frozenset({aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten.group_norm, aten.native_group_norm})
+# products batched over leading dims (TP inference: a shard on a batch dim stays there)
+BATCHED_MATMULS = frozenset({aten.matmul, aten.bmm})
+# attention and the batched products it is written with (TP packing: a head dim passes through them)
+ATTENTION_PRODUCTS = BATCHED_MATMULS | {aten.scaled_dot_product_attention, aten.baddbmm}
+# keys/values written into a KV cache, read by attention
+CACHE_WRITES = frozenset({aten.index_copy_, aten.index_copy})
+LOSSES = frozenset({aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d})
+# ops a column-parallel output flows through on its way to the next linear (TP's carriers walk)
+COLUMN_CARRIERS = frozenset({
+    aten.view, aten.reshape, aten._unsafe_view, aten.transpose, aten.permute, aten.unsqueeze, aten.contiguous,
+    aten.alias, aten.clone, aten.to, aten._to_copy, aten.dropout, aten.expand, aten.scaled_dot_product_attention,
+    aten.matmul, aten.softmax, aten._softmax, aten.chunk, aten.split, aten.split_with_sizes, aten.slice, aten.index,
+    aten.cat, aten.flatten, aten.broadcast_to, aten.squeeze,
+    # state-space scans: per-channel convolutions, steps of the recurrence picked and stacked
+    aten.conv1d, aten.convolution, aten.select, aten.stack, aten.cumsum, aten.einsum, aten.pad,
+    aten.repeat_interleave, aten.zeros_like, aten.tril,
+    aten.mean, aten.sum,  # a gated RMS norm over the channels (a partial sum of squares)
+})
+# ops that gather the tokens each expert reads (pure, replicated in, replicated out)
+TOKEN_GATHERS = COPIES_AND_CASTS | {aten.index, aten.repeat_interleave, aten.unsqueeze}
+
+# matrix products and attention, as traced (linear, matmul) and as dispatched (mm, bmm, ...): the ops
+# whose outputs selective recompute keeps (fxpar.cost.saved / activations)
+MATMUL_LIKE = frozenset({aten.linear, aten.matmul, aten.mm, aten.bmm, aten.addmm, aten.baddbmm,
+                         aten.scaled_dot_product_attention})
+# the backward reads the op's output
+GRAD_READS_OUTPUT = frozenset({aten.rsqrt, aten.sqrt, aten.exp, aten.tanh, aten.sigmoid, aten.relu, aten.softmax,
+                               aten._softmax, aten.log_softmax, aten._log_softmax, aten.reciprocal})
+# the backward reads the first operand
+GRAD_READS_INPUT = frozenset({aten.pow, aten.silu, aten.gelu, aten.log, aten.log1p, aten.sin, aten.cos, aten.erf,
+                              aten.abs, aten.softplus, aten.leaky_relu, aten.mish, aten.elu, aten.hardtanh,
+                              aten.square, aten.amax, aten.amin})
+# the backward needs shapes only
+GRAD_READS_SHAPES = VIEW_OPS | frozenset({
+    aten.add, aten.sub, aten.rsub, aten.neg, aten.cat, aten.stack, aten.sum, aten.mean, aten.clone,
+    aten._to_copy, aten.to, aten.copy, aten.copy_, aten.alias, aten.detach, aten.pad, aten.constant_pad_nd,
+    aten.repeat, aten.tril, aten.triu, aten.flip, aten.roll, aten.zeros_like, aten.ones_like, aten.full_like,
+})
+# the dense products aten.linear and aten.matmul reach at dispatch (what a profiler or a dispatch-time
+# policy sees; the profiled reference step counts these)
+MATMUL_KERNELS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm})
+# every dispatched product whose output selective recompute keeps: also convolutions and scaled (fp8) matmuls
+PRODUCT_KERNELS = MATMUL_KERNELS | {aten.convolution, aten._scaled_mm}
+
+# by OpOverload: ops whose output holds its input's elements in the same order (reshapes, copies, casts),
+# so rows of logits before them are rows after them (the fused loss looks through a chain of them)
+ORDER_KEEPING = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.to.dtype,
+                           aten._to_copy.default, aten.contiguous.default, aten.clone.default, aten.alias.default})
+
+# names of grouped (per-expert) matmul ops in any namespace, whichever library defines them (TP's rules)
 GROUPED_MM = ("_grouped_mm", "grouped_mm", "grouped_mm_fallback")
+# the grouped matmuls expert parallelism cuts, by qualified name (see :func:`expert_matmuls`)
+EXPERT_MATMUL_NAMES = ("transformers::grouped_mm_fallback", "aten::_grouped_mm")
+# what an expert weight is read through on its way to a grouped matmul (views, transposes, casts)
+WEIGHT_VIEWS = frozenset({aten.transpose, aten.permute, aten.view, aten.reshape, aten._to_copy, aten.to,
+                          aten.contiguous, aten.alias, aten.t, aten.expand})
+
+
+def resolve_ops(names) -> frozenset:
+    """The ``OpOverloadPacket`` of each qualified op name (``"aten::_grouped_mm"``) registered in this
+    process; a name that is not (an op this torch lacks, a library's op whose module is not imported) is
+    left out."""
+    out = set()
+    for name in names:
+        ns, _, op = name.partition("::")
+        try:
+            out.add(getattr(getattr(torch.ops, ns), op))
+        except (AttributeError, RuntimeError):
+            continue
+    return frozenset(out)
+
+
+def expert_matmuls() -> frozenset:
+    """:data:`EXPERT_MATMUL_NAMES` resolved now: transformers registers its op when its MoE module is
+    imported, which may come after this module's import, and always before a graph holding the op exists."""
+    return resolve_ops(EXPERT_MATMUL_NAMES)
 
 
 def packet(node: torch.fx.Node):

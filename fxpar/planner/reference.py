@@ -24,13 +24,13 @@ import time
 import torch
 
 from fxpar.cost.roofline import work_terms
+from fxpar.ir.op_classes import MATMUL_KERNELS
 
 # a small decoder of ordinary proportions: 8 heads of 64, GQA 2:1, SwiGLU MLP of 2.7x, a 16K vocabulary
 REFERENCE = dict(vocab_size=16384, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
                  tie_word_embeddings=False)
 BATCH, SEQ = 4, 256
-_MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 __all__ = ["REFERENCE", "fit_to_reference", "reference_step"]
 
@@ -62,8 +62,9 @@ def reference_step(steps: int = 3) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
+    products = {f"aten::{op.__name__}" for op in MATMUL_KERNELS}  # the profiler's event names
     mm = sum(e.self_cpu_time_total for e in prof.key_averages()
-             if e.key in _MATMUL or "scaled_dot_product" in e.key) / 1e6 / steps
+             if e.key in products or "scaled_dot_product" in e.key) / 1e6 / steps
     return {"step": sorted(walls)[len(walls) // 2], "matmul": mm}
 
 

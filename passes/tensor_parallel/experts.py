@@ -44,7 +44,16 @@ import torch
 import torch.fx
 
 from fxpar.ir import meta
-from fxpar.ir.op_classes import ASSERTS, PASS_THROUGH, RESHAPES, SPLITS, is_grouped_mm, is_pointwise, packet
+from fxpar.ir.op_classes import (
+    ASSERTS,
+    PASS_THROUGH,
+    RESHAPES,
+    SPLITS,
+    TOKEN_GATHERS,
+    is_grouped_mm,
+    is_pointwise,
+    packet,
+)
 from fxpar.ir.program import Program
 from fxpar.passes.tensor_parallel.layouts import slice_bounds, split_args
 
@@ -256,10 +265,6 @@ def _follow(user: torch.fx.Node, src: torch.fx.Node, f: int, uv) -> int | None:
     return None
 
 
-# ops that gather the tokens each expert reads (pure, replicated in, replicated out)
-_DISPATCH = (PASS_THROUGH - {aten.dropout}) | {aten.index, aten.repeat_interleave, aten.unsqueeze}
-
-
 def dispatch_chain(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
     """(the tokens before the experts' gather, the gather's nodes in order) for the activation of a first
     expert matmul: ``x[token_ids]``, ``x.repeat_interleave(k, 0)``, ``x.split(sizes)[i]`` along the
@@ -271,7 +276,7 @@ def dispatch_chain(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.No
                 "dim", 0) == 0:
             chain += [node, node.args[0]]
             node = node.args[0].args[0]
-        elif pkt in _DISPATCH and (pkt is not aten.index or len(node.args[1]) == 1):
+        elif pkt in TOKEN_GATHERS and (pkt is not aten.index or len(node.args[1]) == 1):
             chain.append(node)
             node = node.args[0]
         else:

@@ -34,6 +34,11 @@ import torch.fx
 from fxpar.ir import meta
 from fxpar.ir.op_classes import (
     ASSERTS,
+    BATCHED_MATMULS,
+    CACHE_WRITES,
+    DIM_MOVES_AND_CUTS,
+    LOSSES,
+    NORMS,
     PASS_THROUGH,
     REDUCTIONS,
     RESHAPES,
@@ -54,13 +59,6 @@ from fxpar.passes.tensor_parallel.layouts import (
 from fxpar.passes.tensor_parallel.packing import find_packing
 
 aten = torch.ops.aten
-
-_CACHE_WRITES = {aten.index_copy_, aten.index_copy}  # keys/values written into a KV cache, read by attention
-_NORMS = {aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten.group_norm, aten.native_group_norm}
-_BATCHED = {aten.matmul, aten.bmm}
-_MOVES = {aten.transpose, aten.permute, aten.t, aten.numpy_T, aten.unsqueeze, aten.squeeze, aten.expand,
-          aten.broadcast_to, aten.flatten, aten.slice, aten.select}
-_LOSSES = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d}
 
 
 def _ndim(node) -> int:
@@ -106,7 +104,7 @@ class _Graph:
             ok = False
         else:
             pkt = packet(node)
-            carrier = pkt in RESHAPES or pkt in PASS_THROUGH or pkt in _MOVES or pkt in SPLITS \
+            carrier = pkt in RESHAPES or pkt in PASS_THROUGH or pkt in DIM_MOVES_AND_CUTS or pkt in SPLITS \
                 or pkt is aten.cat or node.target is operator.getitem or is_pointwise(node)
             # operands broadcast into it (rotary tables, scales) are not what it is made of
             ok = carrier and all(self.made_of_linears(a) for a in node.all_input_nodes
@@ -198,7 +196,7 @@ class _Walk:
     def _step(self, node, d, user):
         """True: a sink (nothing to follow); False: the walk fails; an int: follow ``user`` at that dim."""
         pkt, nd, tp = packet(user), _ndim(node), self.g.tp
-        if user.op == "output" or pkt in _LOSSES:
+        if user.op == "output" or pkt in LOSSES:
             self.sinks += 1
             return self.head and (user.op == "output" or d == _ndim(node) - 1)
         if pkt in ASSERTS:
@@ -208,7 +206,7 @@ class _Walk:
                 self.ends.append(user)
                 return True
             return False
-        if pkt in _CACHE_WRITES and user.args[3] is node:
+        if pkt in CACHE_WRITES and user.args[3] is node:
             return d
         if user.target is operator.getitem:
             return d
@@ -221,7 +219,7 @@ class _Walk:
             return d
         if pkt in PASS_THROUGH:
             return d
-        if pkt in RESHAPES or pkt in _MOVES:
+        if pkt in RESHAPES or pkt in DIM_MOVES_AND_CUTS:
             out = _moved(user, node, d, 1 if user in self.g.fused else tp)  # local sizes from the pieces
             if out is None:
                 self.why = f"{user.name} {_shape(node)} -> {_shape(user)}: the shard's dim does not divide by tp={tp}"
@@ -234,13 +232,13 @@ class _Walk:
                 keep = pkt in SOFTMAX or (user.args[2] if len(user.args) > 2 else user.kwargs.get("keepdim", False))
                 return d if keep else d - sum(x < d for x in dims)
             return True if self.gathers and not self.head else False  # a norm's statistic over the shard
-        if pkt in _NORMS:  # layer_norm / rms_norm over the trailing normalized_shape; group_norm over channels
+        if pkt in NORMS:  # layer_norm / rms_norm over the trailing normalized_shape; group_norm over channels
             last = len(user.args[1]) if pkt is not aten.group_norm and pkt is not aten.native_group_norm else nd - 1
             return d if d < nd - last or (self.gathers and not self.head) else False
         if pkt is aten.cat:
             dim = (user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)) % _ndim(user)
             return d if dim != d and self._others_fit(user, d, node) else False
-        if pkt in _BATCHED and nd >= 3 and d < nd - 2:
+        if pkt in BATCHED_MATMULS and nd >= 3 and d < nd - 2:
             out = d + _ndim(user) - nd
             return out if self._others_fit(user, out, node) else False
         if pkt is aten.scaled_dot_product_attention and d == 1 and nd == 4 and node in user.args[:3]:
@@ -274,8 +272,8 @@ def _ids_from_user(g: _Graph, ids, depth: int = 8) -> bool:
     if ids.op == "placeholder":
         return ids.name in g.users
     pkt = packet(ids)
-    if ids.op != "call_function" or not (pkt in RESHAPES or pkt in PASS_THROUGH or pkt in _MOVES or is_pointwise(ids)
-                                         or pkt in (aten.where, aten.masked_fill)):
+    if ids.op != "call_function" or not (pkt in RESHAPES or pkt in PASS_THROUGH or pkt in DIM_MOVES_AND_CUTS
+                                         or is_pointwise(ids) or pkt in (aten.where, aten.masked_fill)):
         return False
     return any(_ids_from_user(g, a, depth - 1) for a in ids.all_input_nodes)
 

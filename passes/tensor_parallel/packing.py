@@ -33,6 +33,8 @@ import torch.fx
 from fxpar.ir import meta
 from fxpar.ir.op_classes import (
     ASSERTS,
+    ATTENTION_PRODUCTS,
+    DIM_MOVES,
     PASS_THROUGH,
     REDUCTIONS,
     RESHAPES,
@@ -46,8 +48,6 @@ from fxpar.ir.program import Program
 
 aten = torch.ops.aten
 
-_MOVES = frozenset({aten.transpose, aten.permute, aten.unsqueeze, aten.t, aten.numpy_T, aten.expand})
-_ATTENTION = frozenset({aten.scaled_dot_product_attention, aten.matmul, aten.bmm, aten.baddbmm})
 # op packet -> fn(user, dim of the piece in the user's input) -> the unit it needs, in indices of that dim
 # (the dim's size: it must stay uncut), or None to keep following the value
 PIECE_UNITS: dict[object, Callable[[torch.fx.Node, int], int | None]] = {}
@@ -215,7 +215,7 @@ class _Walk:
         elif pkt in PASS_THROUGH - {aten.dropout} or (user.op == "call_function" and is_pointwise(user)
                                                       and len(user.all_input_nodes) == 1):
             return d, scale
-        elif pkt in _MOVES and user.args[0] is src:
+        elif pkt in DIM_MOVES and user.args[0] is src:
             return _moved(user, d, sv.dim()), scale
         elif pkt in RESHAPES:
             got = _reshaped(tuple(sv.shape), tuple(uv.shape), d, scale)
@@ -309,11 +309,11 @@ def _unit(node: torch.fx.Node, d: int, n: int, seen: set, linear_like: Callable)
             unit = math.lcm(unit, got)
         elif pkt in ASSERTS or (uv is None and pkt not in SPLITS) or linear_like(user):
             continue
-        elif pkt in _ATTENTION:
+        elif pkt in ATTENTION_PRODUCTS:
             unit = math.lcm(unit, n if d >= nd - 2 else 1)
         elif pkt in PASS_THROUGH or (user.op == "call_function" and is_pointwise(user)):
             unit = math.lcm(unit, _unit(user, d + uv.dim() - nd, n, seen, linear_like))
-        elif pkt in _MOVES and user.args[0] is node:
+        elif pkt in DIM_MOVES and user.args[0] is node:
             unit = math.lcm(unit, _unit(user, _moved(user, d, nd), n, seen, linear_like))
         elif pkt in RESHAPES:
             got = _reshaped(tuple(_val(node).shape), tuple(uv.shape), d, 1)

@@ -23,7 +23,7 @@ import torch.fx
 
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
-from fxpar.ir.op_classes import ASSERTS, is_pointwise, packet
+from fxpar.ir.op_classes import ASSERTS, CACHE_WRITES, COLUMN_CARRIERS, is_pointwise, packet
 from fxpar.ir.placement import chunk_fits, chunk_sizes
 from fxpar.ir.program import Program
 from fxpar.passes.tensor_parallel.inference import infer_pairs
@@ -119,18 +119,6 @@ def resolve_styles(program: Program, plan: dict[str, str], strict: bool = True,
     return out
 
 
-# ops a column-parallel output flows through on its way to the next linear (infer_styles)
-_CARRIERS = {aten.view, aten.reshape, aten._unsafe_view, aten.transpose, aten.permute, aten.unsqueeze,
-             aten.contiguous, aten.alias, aten.clone, aten.to, aten._to_copy, aten.dropout, aten.expand,
-             aten.scaled_dot_product_attention, aten.matmul, aten.softmax, aten._softmax, aten.chunk, aten.split,
-             aten.split_with_sizes, aten.slice, aten.index, aten.cat, aten.flatten, aten.broadcast_to, aten.squeeze,
-             # state-space scans: per-channel convolutions, steps of the recurrence picked and stacked
-             aten.conv1d, aten.convolution, aten.select, aten.stack, aten.cumsum, aten.einsum, aten.pad,
-             aten.repeat_interleave, aten.zeros_like, aten.tril,
-             aten.mean, aten.sum}  # a gated RMS norm over the channels (a partial sum of squares)
-_CACHE_WRITES = {aten.index_copy_, aten.index_copy}  # keys/values written into a KV cache, read by attention
-
-
 def infer_styles(program: Program, tp: int | None = None, taken: dict[str, str] | None = None) -> Styles:
     """Styles from the graph for every module ``taken`` (a model's plan) leaves unstyled: the
     shard-following inference of :mod:`.inference` (column/row pairs, token embeddings, the LM head;
@@ -160,12 +148,12 @@ def _carrier_pairs(program: Program, taken: dict[str, str]) -> dict[str, str]:
             seen.add(user)
             if _weight(user) is not None:
                 ends.append(user)
-            elif packet(user) in _CARRIERS or user.target is operator.getitem or (user.op == "call_function"
+            elif packet(user) in COLUMN_CARRIERS or user.target is operator.getitem or (user.op == "call_function"
                                                                                    and is_pointwise(user)):
                 todo.extend(user.users)
             elif packet(user) in ASSERTS:  # a dtype check before a cast reads nothing on
                 continue
-            elif packet(user) in _CACHE_WRITES:  # the cache itself is returned: only its readers matter
+            elif packet(user) in CACHE_WRITES:  # the cache itself is returned: only its readers matter
                 todo.extend(u for u in user.users if u.op != "output")
             else:
                 ok = False

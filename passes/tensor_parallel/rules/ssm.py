@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from fxpar.ir import meta
-from fxpar.ir.op_classes import PASS_THROUGH, VIEW_OPS, packet
+from fxpar.ir.op_classes import VIEW_OPS, VIEWS_AND_CASTS, packet
 from fxpar.ir.placement import Partial, as_placement
 from fxpar.passes.tensor_parallel.rules.pointwise import pointwise_or_gather
 from fxpar.passes.tensor_parallel.rules.registry import rule
@@ -29,17 +29,12 @@ from fxpar.passes.tensor_parallel.rules.registry import rule
 aten = torch.ops.aten
 
 
-# ops that only view or cast one tensor: a gradient summed before them is summed for them too
-_VIEWS = frozenset({aten.select, aten.unsqueeze, aten.transpose, aten.squeeze, aten.view, aten.reshape, aten.permute,
-                    aten.slice, aten.expand}) | (PASS_THROUGH - {aten.dropout})
-
-
 def summed_grad(rw, new: torch.fx.Node, old: torch.fx.Node) -> torch.fx.Node:
     """Replicated ``new`` (of traced node ``old``) with its gradient summed over the ranks, the sum taken
     once on the tensor it views: a scan unrolled over time reads one step of the whole ``C`` per step,
     and one all-reduce of ``C``'s gradient replaces one per step (the views are taken again after it)."""
     chain, root = [], old
-    while (root.op == "call_function" and packet(root) in _VIEWS and len(root.all_input_nodes) == 1
+    while (root.op == "call_function" and packet(root) in VIEWS_AND_CASTS and len(root.all_input_nodes) == 1
            and root.args and root.args[0] is root.all_input_nodes[0] and rw.env.get(root) is not None
            and rw.env[root].target == root.target and rw.is_replicated(rw.env[root.args[0]])):
         chain.append(root)
