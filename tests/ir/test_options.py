@@ -16,9 +16,6 @@ from fxpar.ir.options import RunOptions, run_options
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = [p for d in ("fxpar", "passes", "runtime") for p in sorted((ROOT / d).rglob("*.py"))]
 OPTIONS = ROOT / "fxpar" / "ir" / "options.py"
-# Modules that still read their variable themselves, until their owner moves it onto run_options()
-# (issue 26 item 6: the kernels' switch, fxpar.ir.options.kernels_triton()).
-PENDING = ("runtime/kernels/",)
 
 
 def _names_in_code() -> dict[str, list[str]]:
@@ -73,7 +70,7 @@ def test_no_product_module_but_the_options_reads_an_fxpar_variable():
     texts = {p: p.read_text() for p in PRODUCT if p != OPTIONS}
     env_constants = {m for text in texts.values() for m in re.findall(r"^(\w+) = \"FXPAR_", text, flags=re.M)}
     reads = [f"{p.relative_to(ROOT)}:{node.lineno} reads {name}" for p, text in texts.items()
-             if ("environ" in text or "getenv" in text) and not str(p.relative_to(ROOT)).startswith(PENDING)
+             if ("environ" in text or "getenv" in text)
              for node in ast.walk(ast.parse(text)) if (name := _reads_environ(node, env_constants))]
     assert env_constants >= {"FALLBACK_ENV", "LAUNCHER_ENV"}  # (names the code binds to a variable's name)
     assert reads == [], "read it through fxpar.ir.options.run_options()"
