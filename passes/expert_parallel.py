@@ -71,7 +71,9 @@ def _param_of(node, bound: dict[str, str]) -> str | None:
     return bound.get(last.name) if last.op == "placeholder" else None
 
 
-def _descendants(start: list[torch.fx.Node]) -> set[torch.fx.Node]:
+def descendants(start: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Every node that uses, directly or through others, a node of ``start`` (``start`` itself only where
+    one of them reaches another)."""
     seen, todo = set(), list(start)
     while todo:
         n = todo.pop()
@@ -113,14 +115,14 @@ def expert_regions(program: Program, ep: int) -> list[Region]:
                                 + (f"also read by {others[:3]}" if others else f"not {n_exp} experts along dim 0")
                                 + "; expert parallelism cuts it along dim 0 for the grouped matmuls only "
                                 "(fxpar/passes/expert_parallel.py)")
-        inside = _descendants(mms)
+        inside = descendants(mms)
         entries = {m.args[0] for m in mms if m.args[0] not in inside}
-        exits = [m for m in mms if not (_descendants([m]) & set(mms))]
+        exits = [m for m in mms if not (descendants([m]) & set(mms))]
         if len(entries) != 1 or len(exits) != 1:
             raise PlanError(f"Plan(ep={ep}): the experts of {layer} read {len(entries)} token tensors and give "
                             f"{len(exits)} outputs; expert parallelism needs one of each "
                             "(fxpar/passes/expert_parallel.py)")
-        inner = (set(mms) | inside) - _descendants(exits) - set(exits)
+        inner = (set(mms) | inside) - descendants(exits) - set(exits)
         leaks = [n.name for n in inner if any(u not in inner and u is not exits[0] for u in n.users)]
         if leaks:
             raise PlanError(f"Plan(ep={ep}): values {leaks[:3]} inside the experts of {layer} are used outside "

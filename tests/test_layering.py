@@ -196,3 +196,49 @@ def test_table_parsing_and_claims():
     assert _layer("fxpar.zoo") == "api" and _layer("fxpar.cli.train") == "cli"
     assert not _permitted("fxpar.cli", "fxpar.testing.zoo") and _permitted("fxpar.cli", "fxpar.zoo")
     assert not _permitted("fxpar.report", "fxpar.runtime.ops") and _permitted("fxpar.testing", "fxpar.cli")
+
+
+def _private_reaches(path: Path, module: str):
+    """(line, target) for each private name (``_x``, not dunder) this file takes from another fxpar module:
+    ``from fxpar.m import _x``, or ``m._x`` on a module bound by ``import fxpar.m as m`` /
+    ``from fxpar import m``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    aliases = {}
+    private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fxpar") and not node.level:
+            for a in node.names:
+                if private(a.name):
+                    yield node.lineno, f"{node.module}.{a.name}"
+                else:
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("fxpar.") and a.asname:
+                    aliases[a.asname] = a.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and private(node.attr) \
+                and node.value.id in aliases:
+            yield node.lineno, f"{aliases[node.value.id]}.{node.attr}"
+
+
+def test_no_private_name_across_layers():
+    """A layer reaches another only through its public names (issue 26): a private helper another layer
+    needs is made public where it lives, or the need goes. Inside a layer private imports stay allowed."""
+    bad = []
+    for name, f in _modules():
+        mine = _layer(name)
+        if "*" in TABLE[mine][1]:  # the test harness may reach anything
+            continue
+        for lineno, target in _private_reaches(f, name):
+            if _layer(target) != mine:
+                bad.append(f"{f.relative_to(ROOT)}:{lineno} ({mine}) reaches {target} ({_layer(target)})")
+    assert not bad, "private names used across layers:\n" + "\n".join(bad)
+
+
+def test_private_reach_checker(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("import fxpar.runtime.collectives as C\nfrom fxpar.passes import expert_parallel as ep\n"
+                 "from fxpar.cost.comm import _ring, ring\nC._copy(1)\nep._descendants\nC.copy\nep.__doc__\n")
+    assert sorted(t for _, t in _private_reaches(f, "fxpar.api")) == [
+        "fxpar.cost.comm._ring", "fxpar.passes.expert_parallel._descendants", "fxpar.runtime.collectives._copy"]

@@ -19,7 +19,7 @@ from fxpar.cost.saved import SavedTensors
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
 from fxpar.ir.numeric import nbytes
-from fxpar.passes.expert_parallel import _descendants, expert_regions
+from fxpar.passes.expert_parallel import descendants, expert_regions
 from fxpar.passes.fused_loss import fuse_loss
 from fxpar.passes.pipeline_split import loss_position
 from fxpar.passes.tensor_parallel import tensor_parallel
@@ -44,7 +44,7 @@ def read_experts(program, assign, node_rows) -> tuple[dict[str, Experts], str | 
     saved = SavedTensors(program)
     found: dict[str, dict] = {}
     for r in regions:
-        inner = (set(r.mms) | _descendants(r.mms)) - _descendants([r.exit])
+        inner = (set(r.mms) | descendants(r.mms)) - descendants([r.exit])
         part = assign.get(r.exit)
         if part is None or any(n in first and first[n][0] != part for n in inner):
             return {}, f"the experts of {r.layer} are not inside one part of the trace"
