@@ -18,7 +18,8 @@ import re
 import torch.distributed as dist
 
 CROSS_CHECK = re.compile(os.environ.get(
-    "FXPAR_MEMORY_CROSS_CHECK", r"^(llama:(dp=1|dp=2,zero=3|tp=2|pp=2,microbatches=4,schedule=1f1b|dp=2,tp=2)|moe:ep=2)$"))
+    "FXPAR_MEMORY_CROSS_CHECK",
+    r"^(llama:(dp=1|dp=2,zero=3|tp=2|pp=2,microbatches=4,schedule=1f1b|dp=2,tp=2)|moe:ep=2)$"))
 
 
 def measure_peak(step, name: str) -> dict:

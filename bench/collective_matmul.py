@@ -78,7 +78,8 @@ def main() -> None:
     c = MODEL_CONFIG
     text = "\n".join([
         f"{HEADING}\n",
-        f"{datetime.date.today()}, {platform.machine()} {os.cpu_count()} threads, torch {torch.__version__}. Llama (hidden {c['hidden_size']}, {c['num_hidden_layers']} layers), fp32, batch {a.batch} x {a.seq}, "
+        f"{datetime.date.today()}, {platform.machine()} {os.cpu_count()} threads, torch {torch.__version__}. "
+        f"Llama (hidden {c['hidden_size']}, {c['num_hidden_layers']} layers), fp32, batch {a.batch} x {a.seq}, "
         f"SGD; 2 gloo ranks, one thread each; {a.warmup} warm-up then {a.steps} timed steps of each plan, "
         f"interleaved (`bench/collective_matmul.py`). 1-minute load average {load:.1f} before, "
         f"{os.getloadavg()[0]:.1f} after.\n",

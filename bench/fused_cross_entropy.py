@@ -202,7 +202,8 @@ def main() -> int:
         "of this section's figures before 2026-11-27): a dispatch mode turns some in-place backward formulas "
         "out of place, so the unfused path's figure is a logits-sized tensor too high. Each is one more step "
         f"of its own. Step time: median of {a.steps} steps, the paths interleaved. 1-minute load average "
-        f"{load:.1f} at {started}, {os.getloadavg()[0]:.1f} after{BUSY if max(load, os.getloadavg()[0]) > (os.cpu_count() or 1) else ''}. "
+        f"{load:.1f} at {started}, {os.getloadavg()[0]:.1f} after"
+        f"{BUSY if max(load, os.getloadavg()[0]) > (os.cpu_count() or 1) else ''}. "
         "Differences: fused against unfused, |loss| / max |dh| / max |dW|.\n",
         "| tp | rank | chunk | unfused peak MiB | fused peak MiB | fused / unfused | unfused no grads MiB | "
         "fused no grads MiB | unfused RSS MiB | fused RSS MiB | RSS fused / unfused | unfused dispatch mode MiB | "

@@ -21,8 +21,8 @@ Runners, grouped by what they are compared on:
 Every rank is given its replica's rows of the global batch (all 4 rows under pure TP). Measured per rank:
 
 * RSS (``/proc/self/status``) above the process's baseline, taken when the job starts (torch, transformers and
-  every runner's libraries imported: :data:`LIBRARIES`): held after set-up, peak during set-up, held after the steps, and the peak during the steps
-  (``VmHWM`` after writing 5 to ``/proc/self/clear_refs`` once set-up is done);
+  every runner's libraries imported: :data:`LIBRARIES`): held after set-up, peak during set-up, held after the
+  steps, and the peak during the steps (``VmHWM`` after writing 5 to ``/proc/self/clear_refs`` once set-up is done);
 * live tensor bytes (:func:`fxpar.runtime.memtrack.storage_bytes` over every live tensor, meta and DTensor
   wrappers excluded) after set-up and after the steps, and the peak of one more step as the allocator saw it
   (:class:`~fxpar.runtime.memtrack.AllocatorPeak`, the torch profiler's memory events: unlike a dispatch mode it

@@ -223,7 +223,8 @@ def markdown(summaries: list[dict], a, load: tuple[float, float]) -> str:
     for s in summaries:
         cut = ", ".join(m for m, _ in s["cuts"])
         lines.append(f"| {s['schedule']} | {cut} | {s['balance']['fxpar']:.3f} / {s['balance']['even']:.3f} | "
-                     f"{_ms(s['fx_med'])} | {_ms(s['th_med'])} | {s['ratio']:.3f} | {_ms(s['fx_best'])} / {_ms(s['th_best'])} | "
+                     f"{_ms(s['fx_med'])} | {_ms(s['th_med'])} | {s['ratio']:.3f} | "
+                     f"{_ms(s['fx_best'])} / {_ms(s['th_best'])} | "
                      f"{s['fx_losses'][0]:.6f} / {s['th_losses'][0]:.6f} | {s['max_diff']:.1e} |")
     lines.append("")
     for s in summaries:

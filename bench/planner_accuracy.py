@@ -234,7 +234,8 @@ def rows(plans, measured, estimates) -> list[dict]:
         est = e if e is not None and not isinstance(e, str) else None
         pt = est.step_time if est else None
         pm = est.memory["total"] if est else None
-        out.append({"model": model, "plan": plan, "world": m.get("world") or _world(plan), "pred_s": pt, "meas_s": m.get("step_s"),
+        out.append({"model": model, "plan": plan, "world": m.get("world") or _world(plan), "pred_s": pt,
+                    "meas_s": m.get("step_s"),
                     "time_err": _err(pt, m.get("step_s")), "pred_mb": pm / 2**20 if pm else None,
                     "meas_mb": m["peak"] / 2**20 if "peak" in m else None, "mem_err": _err(pm, m.get("peak")),
                     "loss": m.get("loss"), "note": m.get("error") or (e if isinstance(e, str) else ""),
@@ -297,12 +298,14 @@ def markdown(table: list[dict], choice: dict, profile, a, seconds: float) -> str
         if r["loss"] is not None:
             losses.setdefault(r["model"], []).append(r["loss"])
     spread = max((max(v) - min(v) for v in losses.values()), default=0.0)
-    src = f"profile `{profile.name}` ({profile.source or 'no source given'})" if profile else "no profile (predictions skipped)"
+    src = (f"profile `{profile.name}` ({profile.source or 'no source given'})" if profile
+           else "no profile (predictions skipped)")
     cmd = "bench/planner_accuracy.py" + (" --quick" * a.quick) + (" --auto" * a.auto) + \
         (f" --plans '{a.plans}'" if a.plans else "") + (f" --profile {a.profile}" if a.profile else "")
     lines = [
         f"\n{SECTION}\n",
-        f"{datetime.date.today().isoformat()}, {platform.machine()} {os.cpu_count()} threads, torch {torch.__version__}, "
+        f"{datetime.date.today().isoformat()}, {platform.machine()} {os.cpu_count()} threads, "
+        f"torch {torch.__version__}, "
         f"`{cmd}` ({seconds / 60:.1f} min); {src}. Models built on the meta device, weights from the initialiser on "
         f"each rank (no full copy of the model in the rank processes); fp32 AdamW, global batch {M.BATCH} x {M.SEQ}; "
         f"gloo ranks with one thread each on {os.cpu_count()} cores; {a.warmup} warm-up then the median of {a.steps} "
@@ -317,7 +320,8 @@ def markdown(table: list[dict], choice: dict, profile, a, seconds: float) -> str
     for r in table:
         lines.append(f"| {r['model']} | `{r['plan']}` | {r['world'] or 'n/a'} | {_f(r['pred_s'], '.3f')} | "
                      f"{_f(r['meas_s'], '.3f')} | {_f(r['time_err'], '+.1f')} | {_f(r['pred_mb'], '.1f')} | "
-                     f"{_f(r['meas_mb'], '.1f')} | {_f(r['mem_err'], '+.1f')} |" + (f" {r['note']}" if r["note"] else ""))
+                     f"{_f(r['meas_mb'], '.1f')} | {_f(r['mem_err'], '+.1f')} |"
+                     + (f" {r['note']}" if r["note"] else ""))
     lines += ["", f"Step time: median absolute error {_f(statistics.median(te) if te else None, '.1f')}%, worst "
               f"{_f(max(te) if te else None, '.1f')}% over {len(te)} plans. Peak memory: median "
               f"{_f(statistics.median(me) if me else None, '.1f')}%, worst {_f(max(me) if me else None, '.1f')}% over "
@@ -345,7 +349,8 @@ def markdown(table: list[dict], choice: dict, profile, a, seconds: float) -> str
                   "| model | ranks | plans | planner's choice | measured fastest | measured ratio | within 5% | tau |",
                   "|---|---|---|---|---|---|---|---|",
                   *(f"| {c['model']} | {c['world']} | {c['plans']} | `{c['pick']}` | `{c['fastest']}` | "
-                    f"{_f(c['ratio'], '.3f')} | {'n/a' if c['ratio'] is None else 'yes' if c['ratio'] <= 1.05 else 'no'}"
+                    f"{_f(c['ratio'], '.3f')} | "
+                    f"{'n/a' if c['ratio'] is None else 'yes' if c['ratio'] <= 1.05 else 'no'}"
                     f" | {_f(c['tau'], '+.2f')} |" for c in picks), "",
                   f"The choice is the measured fastest or within 5% of it in {good} of {len(picks)} groups; median "
                   f"tau {_f(statistics.median(taus) if taus else None, '+.2f')}.", ""]

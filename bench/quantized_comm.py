@@ -6,8 +6,8 @@ Zoo Llama (``fxpar.zoo.build("llama", ...)`` with the sizes of ``MODEL``), seed 
 (one torch thread each), ``Plan(dp=2, zero=3, mixed_precision="bf16")`` (fp32 master weights, bf16
 compute and bf16 gathers: the unquantized baseline) and the same with ``comm_dtype="int8"`` and with
 ``quantize_grads=True`` as well. Every variant sees the same sequence of batches (one new batch per
-step, of a toy language the model can learn: :func:`_batches`), and the steps of the three alternate (order reversed every other
-step), each between barriers.
+step, of a toy language the model can learn: :func:`_batches`), and the steps of the three alternate
+(order reversed every other step), each between barriers.
 
 Bytes: what fxpar's counters (``fxpar.cost.comm.step_collectives`` on the rank's stage graph) give for
 one step's ZeRO-3 collectives: payload of the forward gathers, of the backward regathers +
@@ -140,7 +140,8 @@ def main() -> int:
             bad.append((k, "measured gathers / bf16", measured_ratio))
         rows.append(f"| {k} | {b['forward'] / 2**20:.2f} | {b['backward'] / 2**20:.2f} | "
                     f"{r['measured'][k] / 2**20:.2f} | {ratio:.3f} / {measured_ratio:.3f} | {b['sent'] / 2**20:.2f} | "
-                    f"{b['sent'] / b0['sent']:.3f} | {r['losses'][k][0]:.4f} -> {final:.4f} | {abs(final - final0) / final0:.1e} | {drift:.1e} | "
+                    f"{b['sent'] / b0['sent']:.3f} | {r['losses'][k][0]:.4f} -> {final:.4f} | "
+                    f"{abs(final - final0) / final0:.1e} | {drift:.1e} | "
                     f"{med[k] * 1e3:.0f} | {med[k] / med[base]:.3f} | {low[k] * 1e3:.0f} | {low[k] / low[base]:.3f} |")
     cmd = f"python bench/quantized_comm.py --steps {a.steps} --warmup {a.warmup} --batch {a.batch} --seq {a.seq}"
     text = "\n".join([
@@ -151,14 +152,17 @@ def main() -> int:
         f"{MODEL['vocab_size']}, {r['params'] / 1e6:.1f} M parameters), `Plan(dp=2, zero=3, mixed_precision=\"bf16\")` "
         f"on 2 gloo ranks (one thread each), global batch {a.batch} x {a.seq}, a new batch every step (each "
         "sequence a random start token, then a fixed random permutation of the token before: a bigram map to "
-        f"learn), AdamW lr {LR}; {a.warmup} warm-up then {a.steps} steps of each variant, interleaved, barrier to barrier on rank 0 "
+        f"learn), AdamW lr {LR}; {a.warmup} warm-up then {a.steps} steps of each variant, interleaved, "
+        "barrier to barrier on rank 0 "
         "(median and fastest step). "
         "MiB per step from fxpar's counters (`fxpar.cost.comm.step_collectives`): forward gathers; backward "
         "regathers + gradient reduce-scatters (fp32 gradients, int8 with grads); gathers as the all-gather calls "
         "saw them (measured, forward + regather); gathers int8 / bf16; sent by the rank (ring and all-to-all: "
-        "(n-1)/n of the payload). Loss: the first and last steps'; |dloss| / loss against bf16 gathers at the last step and "
+        "(n-1)/n of the payload). Loss: the first and last steps'; |dloss| / loss "
+        "against bf16 gathers at the last step and "
         f"the worst over all steps. 1-minute load average {load:.1f} before, {os.getloadavg()[0]:.1f} after.\n",
-        "| variant | fwd MiB | bwd MiB | measured gathers MiB | gathers / bf16 (counted / measured) | sent MiB | sent / bf16 "
+        "| variant | fwd MiB | bwd MiB | measured gathers MiB | gathers / bf16 (counted / measured) "
+        "| sent MiB | sent / bf16 "
         "| loss first -> last "
         "| \\|dloss\\| / loss | worst over steps | median ms | median / bf16 | min ms | min / bf16 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",

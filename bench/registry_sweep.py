@@ -234,7 +234,8 @@ def summarise(results: list[dict]) -> tuple[str, str]:
     ok = [r["arch"] for r in exact if r.get("fxpar") == "equal"]
     mla = [r for r in results if r.get("dv_ne_dqk")]
     line = f"{len(exact)} of {len(results)} export exactly; fxpar.trace reproduces {len(ok)} of {len(exact)}"
-    rows = ["| architecture | class | torch.export | why | fxpar.trace | why / worst difference |", "|---|---|---|---|---|---|"]
+    rows = ["| architecture | class | torch.export | why | fxpar.trace | why / worst difference |",
+            "|---|---|---|---|---|---|"]
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
     for r in results:
         if r["arch"] in ok:
@@ -244,11 +245,14 @@ def summarise(results: list[dict]) -> tuple[str, str]:
         fx_why = r.get("fxpar_why") or (f"out {r['fxpar_out_diff']:.1g}, grad {r['fxpar_grad_diff']:.1g}"
                                         if "fxpar_out_diff" in r else "")
         why = _md(r.get("export_why") or r.get("why", ""))
-        rows.append(f"| {r['arch']} | {names.get(r['arch'], '')} | {exp} | {why} | {r.get('fxpar', '-')} | {_md(fx_why)} |")
+        rows.append(f"| {r['arch']} | {names.get(r['arch'], '')} | {exp} | {why} | {r.get('fxpar', '-')} "
+                    f"| {_md(fx_why)} |")
     other = ", ".join(f"{r['arch']} ({r['inputs']})" for r in results if r.get("inputs")) or "none"
-    extra = (f"By status: {', '.join(f'{v} {k}' for k, v in sorted(collections.Counter(r['status'] for r in results).items()))}. "
+    extra = (f"By status: "
+             f"{', '.join(f'{v} {k}' for k, v in sorted(collections.Counter(r['status'] for r in results).items()))}. "
              f"fxpar.trace failures raised in the cost model: {sum(bool(r.get('in_cost_model')) for r in results)}; "
-             f"cost-model fallback warnings in: {', '.join(r['arch'] for r in results if r.get('cost_warnings')) or 'none'}. "
+             f"cost-model fallback warnings in: "
+             f"{', '.join(r['arch'] for r in results if r.get('cost_warnings')) or 'none'}. "
              f"Inputs other than ids with labels: {other}. "
              f"Attention with d_v != d_qk in {len(mla)} ({', '.join(r['arch'] for r in mla)}), export-exact and "
              f"reproduced by fxpar.trace: {sum(r['arch'] in ok for r in mla)}.\n\n"
@@ -306,10 +310,11 @@ def main() -> int:
             + f" --limit {args.limit} --write {args.write}"
         body = (f"{SECTION}\n\n### Causal-LM registry: torch.export and fxpar.trace vs eager ({DATE}, "
                 f"torch {torch.__version__}, transformers {transformers.__version__})\n\n"
-                f"`{cmd}` ({minutes:.0f} min, one worker process, {args.limit} s limit per architecture). Each architecture of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is "
+                f"`{cmd}` ({minutes:.0f} min, one worker process, {args.limit} s limit per architecture). "
+                f"Each architecture of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is "
                 f"built tiny from its config class's defaults by the field-name rules of `bench/_tiny_configs.py` "
-                f"(`tiny_config`), in train mode with dropout 0, batch {BATCH} x seq {SEQ} with labels (other inputs, listed "
-                f"below, where the forward takes no such pair). torch.export must "
+                f"(`tiny_config`), in train mode with dropout 0, batch {BATCH} x seq {SEQ} with labels "
+                f"(other inputs, listed below, where the forward takes no such pair). torch.export must "
                 f"equal eager bitwise; fxpar.trace's outputs and every parameter gradient within {TOL:g}.\n\n"
                 f"**{line}.**{partial}\n\n{table}\n")
         write_section(args.write, body)

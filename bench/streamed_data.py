@@ -144,8 +144,9 @@ def main() -> int:
             path = "streamed" if use_streaming(DataSpec(files[name]), mode) else "whole"
             rows.append((name, mode, path, got))
             print(f"{name:>8s} --streaming {mode:4s} ({path:8s}): " + "  ".join(
-                f"r{g['rank']} rss {g['rss_mib']:.0f} peak {g['peak_mib']:.0f} MiB, data set-up {g['dataset_s']:.2f} s, "
-                f"first batch {g['first_batch_s']:.1f} s, first step {g['first_step_s']:.1f} s" for g in got), flush=True)
+                f"r{g['rank']} rss {g['rss_mib']:.0f} peak {g['peak_mib']:.0f} MiB, "
+                f"data set-up {g['dataset_s']:.2f} s, first batch {g['first_batch_s']:.1f} s, "
+                f"first step {g['first_step_s']:.1f} s" for g in got), flush=True)
         alone = data_only(model, files[big])
         big_mib = files[big].stat().st_size / 2**20
     print(f"{big} streamed on one process: dataset {alone['dataset_s']:.3f} s, first batch of one reader "
@@ -172,9 +173,11 @@ def main() -> int:
     for name, mode, path, got in rows:
         for g, w, s in zip(got, whole, streamed):
             lines.append(f"| {name} | {mode} | {path} | {g['rank']} | {g['rss_mib']:.0f} "
-                         f"| {g['rss_mib'] - w['rss_mib']:+.0f} / {g['rss_mib'] - s['rss_mib']:+.0f} | {g['peak_mib']:.0f} "
+                         f"| {g['rss_mib'] - w['rss_mib']:+.0f} / {g['rss_mib'] - s['rss_mib']:+.0f} "
+                         f"| {g['peak_mib']:.0f} "
                          f"| {g['peak_mib'] - w['peak_mib']:+.0f} / {g['peak_mib'] - s['peak_mib']:+.0f} "
-                         f"| {g['imported_s']:.1f} | {g['dataset_s']:.2f} | {g['first_batch_s']:.1f} | {g['first_step_s']:.1f} |")
+                         f"| {g['imported_s']:.1f} | {g['dataset_s']:.2f} | {g['first_batch_s']:.1f} "
+                         f"| {g['first_step_s']:.1f} |")
     big_rows, mid = rows[3][3], rows[2][3]
     over_whole = max(g["rss_mib"] - w["rss_mib"] for g, w in zip(big_rows, whole))
     over_streamed = max(g["rss_mib"] - s["rss_mib"] for g, s in zip(big_rows, streamed))

@@ -121,7 +121,8 @@ def check_arch(arch: str, tp: int) -> dict:
     if rank == 0:
         cov = coverage(program.params, info)
         res.update(share=round(cov.share, 4), params=cov.total, plan="model" if program.info.tp_plan else "inferred",
-                   fallbacks=len(info.fallbacks), gathered=sorted(info.gathered), by_kind=cov.by_kind, shardable=round(cov.shardable_share, 4),
+                   fallbacks=len(info.fallbacks), gathered=sorted(info.gathered), by_kind=cov.by_kind,
+                   shardable=round(cov.shardable_share, 4),
                    largest=[{"module": r.module, "share": round(r.replicated / cov.total, 4), "why": r.why}
                             for r in cov.largest_replicated()[:3]])
     return res
@@ -223,7 +224,8 @@ def main() -> int:
     def save(results):
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"tp": args.tp, "cmd": cmd, "results": results, "minutes": (time.perf_counter() - t0) / 60}, f, indent=1)
+                json.dump({"tp": args.tp, "cmd": cmd, "results": results, "minutes": (time.perf_counter() - t0) / 60},
+                          f, indent=1)
 
     if args.load:
         with open(args.load) as f:
@@ -246,10 +248,12 @@ def main() -> int:
         intro += f" Partial: {len(results)} of {len(archs)} architectures, the sweep was interrupted."
     section, doc_section = SECTION.format(tp=args.tp), DOC_SECTION.format(tp=args.tp)
     if args.write:
-        replace_section(args.write, section, f"{section}\n\n{intro}\n\nArchitectures not equal or above {goal(args.tp)}:\n\n"
+        replace_section(args.write, section,
+                        f"{section}\n\n{intro}\n\nArchitectures not equal or above {goal(args.tp)}:\n\n"
                         f"{table(results, args.tp, only_notable=True)}\n")
     if args.doc:
-        replace_section(args.doc, doc_section, f"{doc_section}\n\n{intro}\n\n{table(results, args.tp, only_notable=False)}\n")
+        replace_section(args.doc, doc_section,
+                        f"{doc_section}\n\n{intro}\n\n{table(results, args.tp, only_notable=False)}\n")
     return 0
 
 
