@@ -73,8 +73,8 @@ def test_the_lint_sees_each_way_of_calling(tmp_path):
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
-        assert [c.split(" ", 1)[1] for c in _calls(tmp_path / "m.py")] == ["dist.all_reduce", "torch.distributed.barrier",
-                                                                           "ar"]
+        assert [c.split(" ", 1)[1] for c in _calls(tmp_path / "m.py")] == [
+            "dist.all_reduce", "torch.distributed.barrier", "ar"]
     finally:
         ROOT = saved
 
@@ -92,6 +92,7 @@ def test_a_failing_call_is_a_collective_error(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: Work())
     monkeypatch.setattr(dist_calls, "_ranks", lambda pg: [0, 1])
     pending = dist_calls.all_reduce(torch.zeros(3, 2), "dp", async_op=True)
-    with pytest.raises(CollectiveError, match=r"all_reduce on group 'dp'.*shape \(3, 2\).*ranks \[0, 1\].*closed by peer"):
+    with pytest.raises(CollectiveError,
+                       match=r"all_reduce on group 'dp'.*shape \(3, 2\).*ranks \[0, 1\].*closed by peer"):
         pending.wait()
     pending.wait()  # waited once: a second wait is a no-op

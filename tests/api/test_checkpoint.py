@@ -138,7 +138,8 @@ def test_another_plan_loads_bitwise_and_resumes(saved_3d, pool4, zero, plan):
     assert all(torch.equal(saved[k], loaded[k]) for k in saved), \
         [k for k in saved if not torch.equal(saved[k], loaded[k])]
     for r in results:  # other reduction orders: equal to the uninterrupted run up to rounding
-        assert max(abs(a - b) for a, b in zip(r["losses"], first[0]["losses"])) <= TOL, (r["losses"], first[0]["losses"])
+        assert max(abs(a - b) for a, b in zip(r["losses"], first[0]["losses"])) <= TOL, \
+            (r["losses"], first[0]["losses"])
 
 
 @pytest.mark.slow

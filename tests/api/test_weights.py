@@ -70,8 +70,8 @@ def test_meta_model_from_weights_tp2(source, llama_file, pool2):
         assert r["weights"] <= TOL and r["loss"] <= TOL, r
         assert not r["meta_left"], r["meta_left"]
         full = dict(zoo.build("llama").named_parameters())
-        assert r["held"]["model.layers.0.mlp.up_proj.weight"] == (full["model.layers.0.mlp.up_proj.weight"].shape[0] // 2,
-                                                                 full["model.layers.0.mlp.up_proj.weight"].shape[1])
+        assert r["held"]["model.layers.0.mlp.up_proj.weight"] == (
+            full["model.layers.0.mlp.up_proj.weight"].shape[0] // 2, full["model.layers.0.mlp.up_proj.weight"].shape[1])
 
 
 def test_meta_model_from_initialiser(pool2):

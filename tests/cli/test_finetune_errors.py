@@ -56,7 +56,8 @@ def test_bad_schedule_and_accumulation(model_dir, no_communication, capsys):
     assert "cosine_wobble" in err and "cosine" in err
 
 
-@pytest.mark.parametrize("flag,value,said", [("--lr", "nan", "--lr nan"), ("--weight-decay=-0.5", None, "--weight-decay -0.5"),
+@pytest.mark.parametrize("flag,value,said", [("--lr", "nan", "--lr nan"),
+                                             ("--weight-decay=-0.5", None, "--weight-decay -0.5"),
                                              ("--batch", "0", "--batch 0"), ("--seq", "0", "--seq 0"),
                                              ("--max-grad-norm", "0", "--max-grad-norm 0.0")])
 def test_numbers_out_of_range(model_dir, no_communication, capsys, flag, value, said):

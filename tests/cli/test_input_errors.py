@@ -199,7 +199,8 @@ def test_chat_rows_under_another_key_hint_messages_field(model_dir, tmp_path, st
     err = _data(model_dir, chat, streaming, capsys)
     assert "has no text field 'text'; its fields: ['conversation', 'id']" in err, err
     assert "--messages-field conversation" in err and "--field conversation" not in err
-    with pytest.raises(AssertionError, match="a process group was joined"):  # the hint works: the run gets as far as communicating
+    # the hint works: the run gets as far as communicating
+    with pytest.raises(AssertionError, match="a process group was joined"):
         _data(model_dir, chat, streaming, capsys, "--messages-field", "conversation")
     text_field = tmp_path / "texts.jsonl"  # a conversation where a text is expected: the same hint
     text_field.write_text("".join(json.dumps({"text": r["messages"]}) + "\n" for r in rows))

@@ -42,7 +42,8 @@ def _killing_train(argv: list[str]) -> int:
 
 def _torchrun(tmp_path, name: str, extra: list[str], restarts: int) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--max-restarts", str(restarts), HERE, "llama", "--data", "synthetic", "--plan", "pp=2,microbatches=2", "--batch", "4",
+           "--max-restarts", str(restarts), HERE, "llama", "--data", "synthetic", "--plan", "pp=2,microbatches=2",
+           "--batch", "4",
            "--seq", "16", "--steps", str(STEPS), "--losses-out", str(tmp_path / f"{name}.losses"), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FXPAR_TIMEOUT": "30"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)

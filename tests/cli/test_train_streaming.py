@@ -55,7 +55,8 @@ def _batches(model, path: str, steps: int, readers: int | None = None) -> dict:
     head = tok.texts
     stream = StreamedBatches(ds, 8, seed=3, readers=readers)
     out = [next(stream) for _ in range(steps)]
-    return {"batches": out, "tokenized": tok.texts - head, "bytes": sum(r.lines.bytes_read for r in stream.own.values()),
+    return {"batches": out, "tokenized": tok.texts - head,
+            "bytes": sum(r.lines.bytes_read for r in stream.own.values()),
             "own": sorted(stream.own), "state": stream.state_dict()}
 
 
@@ -86,7 +87,8 @@ def test_each_rank_reads_its_share_and_all_hold_the_same_batches(pool4, setup):
     one = _batches(str(model), str(big), 3, readers=4)  # one process running all 4 readers
     assert [g["own"] for g in got] == [[0], [1], [2], [3]] and one["own"] == [0, 1, 2, 3]
     for g in got:
-        assert all(a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a) for a, b in zip(g["batches"], one["batches"]))
+        assert all(a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+                   for a, b in zip(g["batches"], one["batches"]))
         assert g["state"] == one["state"]  # every rank knows every reader's position
     size, docs = big.stat().st_size, 6000
     for rank, g in enumerate(got):

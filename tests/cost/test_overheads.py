@@ -61,7 +61,8 @@ def test_unmeasured_prices_nothing():
 def test_fields_round_trip(tmp_path):
     p = measured()
     assert load_profile(p.save(tmp_path / "p.json")) == p
-    m = {"matmul": {"fp32": {"flops": 1e11}}, "memory_bandwidth": {"bytes_per_s": 2e10}, "op_overhead": {"forward": 4e-6},
+    m = {"matmul": {"fp32": {"flops": 1e11}}, "memory_bandwidth": {"bytes_per_s": 2e10},
+         "op_overhead": {"forward": 4e-6},
          "runtime": {"collective_call": {"all_reduce": [2e-5, 1e-10]}, "pipeline_action": {"zbv": 1e-4},
                      "bucket_copy": [5e-5, 2e9], "gather_copy": [4e-5, 4e9], "optimizer_tensor": [5e-6, 3e-5],
                      "comm_share": {"4": 0.8}}}
@@ -86,4 +87,5 @@ def test_collectives_slowed_by_the_ranks_outside_their_group():
     assert comm_share(dataclasses.replace(cpu, comm_share={}), 4, 4) == 1.0
     assert comm_share(dataclasses.replace(measured(comm_overlaps=True), comm_share={}), 4, 2) == 1.0
     assert comm_share(cpu, 4) == pytest.approx(0.8)  # no group: the measured factor alone
-    assert [dp_bucket_count(n) for n in (0, 2**20, 2**20 + 1, 2**20 + 25 * 2**20, 2**20 + 25 * 2**20 + 1)] == [0, 1, 2, 2, 3]
+    assert [dp_bucket_count(n) for n in (0, 2**20, 2**20 + 1, 2**20 + 25 * 2**20, 2**20 + 25 * 2**20 + 1)] \
+        == [0, 1, 2, 2, 3]

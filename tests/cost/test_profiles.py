@@ -72,8 +72,10 @@ def test_measured_table_wins_inside_a_node():
     assert p.collective_time("all_reduce", nbytes, 16, False) == pytest.approx(
         a8 * 30 / 14 + b8 * (30 / 16) / (14 / 8) * nbytes)
     # across nodes the link formula holds; unmeasured kinds use the link inside a node too
-    assert p.collective_time("all_reduce", nbytes, 8, True) == hand_profile().collective_time("all_reduce", nbytes, 8, True)
-    assert p.collective_time("all_gather", nbytes, 8, False) == hand_profile().collective_time("all_gather", nbytes, 8, False)
+    assert p.collective_time("all_reduce", nbytes, 8, True) == \
+        hand_profile().collective_time("all_reduce", nbytes, 8, True)
+    assert p.collective_time("all_gather", nbytes, 8, False) == \
+        hand_profile().collective_time("all_gather", nbytes, 8, False)
 
 
 def test_roofline_dtype_keys_and_share():
@@ -111,7 +113,8 @@ def test_json_round_trip(tmp_path):
     path = p.save(tmp_path / "sub" / "p.json", extra={"measurements": {"x": 1}})
     assert json.loads(path.read_text())["measurements"] == {"x": 1}
     back = load_profile(str(path))
-    assert back == p and back.collective_time("all_reduce", MB, 2, False) == p.collective_time("all_reduce", MB, 2, False)
+    assert back == p and \
+        back.collective_time("all_reduce", MB, 2, False) == p.collective_time("all_reduce", MB, 2, False)
     assert DeviceProfile.from_dict(p.to_dict()) == p
     for name, prof in PROFILES.items():
         assert DeviceProfile.from_dict(json.loads(json.dumps(prof.to_dict()))) == prof, name

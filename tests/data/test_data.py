@@ -39,7 +39,8 @@ def files(tmp_path_factory):
     (root / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS))
     import datasets
 
-    datasets.Dataset.from_list([{"text": t, "id": i} for i, t in enumerate(TEXTS)]).to_parquet(str(root / "docs.parquet"))
+    datasets.Dataset.from_list([{"text": t, "id": i} for i, t in enumerate(TEXTS)]).to_parquet(
+        str(root / "docs.parquet"))
     datasets.Dataset.from_list([{"messages": m} for m in CHATS]).to_parquet(str(root / "chat.parquet"))
     return root, model, load_tokenizer(model)
 
@@ -122,7 +123,8 @@ def test_prefix_rule_equals_generation_markers(files):
         assert prefix_mask(plain, messages, "chat") == (list(enc["input_ids"]), list(enc["assistant_masks"]))
     # a template that renders a turn differently once the conversation goes on: a clear error
     plain.chat_template = plain.chat_template.replace("{{ m['content'] }}{{ eos_token }}",
-                                                      "{% if loop.last %}Last: {% endif %}{{ m['content'] }}{{ eos_token }}")
+                                                      "{% if loop.last %}Last: {% endif %}"
+                                                      "{{ m['content'] }}{{ eos_token }}")
     with pytest.raises(PlanError, match=r"(?s)chat.jsonl.*row 2.*assistant.*generation"):
         TokenDataset(spec, plain)
 

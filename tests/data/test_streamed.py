@@ -44,7 +44,8 @@ def files(tmp_path_factory):
     tok = load_tokenizer(make_model_dir(root / "model", "llama"))
     docs = texts(240)
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(docs)))
-    (root / "docs.txt").write_text("\n".join(d if i % 9 else d + "\n" for i, d in enumerate(docs)) + "\n")  # blank lines
+    (root / "docs.txt").write_text(
+        "\n".join(d if i % 9 else d + "\n" for i, d in enumerate(docs)) + "\n")  # blank lines
     return root, tok, docs
 
 

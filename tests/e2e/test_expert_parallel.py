@@ -1,9 +1,10 @@
 """Expert parallelism (``Plan(ep=N)``) on gloo ranks against one process: the zoo's mixtral and qwen2_moe
 and two registry MoE models (olmoe, qwen3_moe, built tiny here) under ep=2 and dp=2 x ep=2, mixtral under
 pp=2 x ep=2 and ep=2 with ZeRO-1: the loss, every gradient and the weights after an SGD step within 1e-5
-of one process (with gradient clipping on one of them), each rank holding 1/ep of every expert parameter, the all-to-all bytes of each rank equal
-to the rows it sends off-rank (counted here from the reference's own router choices) x hidden x 4, and the
-load statistics equal to the reference's tokens per expert. Then the PlanErrors, on one process."""
+of one process (with gradient clipping on one of them), each rank holding 1/ep of every expert parameter, the
+all-to-all bytes of each rank equal to the rows it sends off-rank (counted here from the reference's own router
+choices) x hidden x 4, and the load statistics equal to the reference's tokens per expert. Then the PlanErrors, on
+one process."""
 
 from __future__ import annotations
 

@@ -139,7 +139,8 @@ def test_alternating_kinds_under_sequence_parallel():
     assert summed(costs, 2, True, comm_of, Counter()) == graph_comm(local)
     assert summed(costs, 2, True, lambda p: sum(p.flops)) == pytest.approx(graph_flops(local), rel=0.01)
     # two layers: nothing to shorten, the whole model is traced, the kinds still come from layer_types
-    two = model_costs(zoo.build("gemma2", seed=0, num_hidden_layers=2), SEQ, tp_degrees=(1,), sequence_parallel=(False,))
+    two = model_costs(zoo.build("gemma2", seed=0, num_hidden_layers=2), SEQ, tp_degrees=(1,),
+                      sequence_parallel=(False,))
     assert two.layers == ["sliding_attention", "full_attention"] and two.traced_layers == 2
 
 

@@ -32,7 +32,8 @@ def costs(layers=8, h=1024, seq=512, edges=True, tps=(1, 2, 4), out=True):
             parts["layer"][(tp, sp)] = RankPart(nodes, params, comm, act, 2 * seq * h if out else 0)
             edge = [(2 * seq * h * 1000 // tp, 4 * seq * h * 1000 // tp, 2 * seq * h, 2000 * h // tp)] if edges else []
             zero = {k: (0, 0) for k in act}
-            parts["pre"][(tp, sp)] = RankPart(edge, 1000 * h // tp if edges else 0, [], zero, 2 * seq * h if edges else 0)
+            parts["pre"][(tp, sp)] = RankPart(edge, 1000 * h // tp if edges else 0, [], zero,
+                                              2 * seq * h if edges else 0)
             parts["post"][(tp, sp)] = RankPart(edge, 1000 * h // tp if edges else 0, [], zero, 0)
     n = layers * parts["layer"][(1, False)].params + 2 * parts["pre"][(1, False)].params
     return ModelCosts(seq, "bf16", ["layer"] * layers, parts, n, {t: None for t in tps}, 6.0 * n, 2)

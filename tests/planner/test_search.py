@@ -41,15 +41,19 @@ def llama_costs(layers=80, h=8192, ffn=28672, heads=64, kv=8, vocab=128256, seq=
             nodes.append((att, 2.5 * att, 4 * seq * h // tp * nbytes, 0))
             for _ in range(12):
                 nodes.append((5 * seq * h, 5 * seq * h, 3 * seq * h * nbytes // (tp if sp else 1), 0))
-            comm = [] if tp == 1 else ([("reduce_scatter", seq * h * nbytes, "fwd"), ("all_gather", seq * h * nbytes, "fwd")] * 2
-                                        + [("reduce_scatter", seq * h * nbytes, "bwd"), ("all_gather", seq * h * nbytes, "bwd")] * 2
-                                        if sp else [("all_reduce", seq * h * nbytes, "fwd")] * 2 + [("all_reduce", seq * h * nbytes, "bwd")] * 2)
+            comm = [] if tp == 1 else (
+                [("reduce_scatter", seq * h * nbytes, "fwd"), ("all_gather", seq * h * nbytes, "fwd")] * 2
+                + [("reduce_scatter", seq * h * nbytes, "bwd"), ("all_gather", seq * h * nbytes, "bwd")] * 2
+                if sp else
+                [("all_reduce", seq * h * nbytes, "fwd")] * 2 + [("all_reduce", seq * h * nbytes, "bwd")] * 2)
             kept = seq * h * (34 // tp if sp else 10 + 24 // tp)
             act = {"none": (kept, 0), "selective": (kept // 2, kept // 2), "layer": (seq * h * nbytes, kept)}
             parts["layer"][(tp, sp)] = RankPart(nodes, params, comm, act, seq * h * nbytes)
-            parts["pre"][(tp, sp)] = RankPart([(0, 0, 2 * seq * h * nbytes, 0)], vocab * h // tp, [], {k: (0, 0) for k in act}, seq * h * nbytes)
+            parts["pre"][(tp, sp)] = RankPart([(0, 0, 2 * seq * h * nbytes, 0)], vocab * h // tp, [],
+                                              {k: (0, 0) for k in act}, seq * h * nbytes)
             head = 2 * seq * h * vocab // tp
-            post_nodes = [(5 * seq * h, 5 * seq * h, 2 * seq * h * nbytes, 0), (head, 2 * head, seq * (h + vocab // tp) * nbytes, h * vocab // tp * nbytes),
+            post_nodes = [(5 * seq * h, 5 * seq * h, 2 * seq * h * nbytes, 0),
+                          (head, 2 * head, seq * (h + vocab // tp) * nbytes, h * vocab // tp * nbytes),
                           (5 * seq * vocab // tp, 5 * seq * vocab // tp, 2 * seq * vocab // tp * 4, 0)]
             lk = seq * vocab // tp * 4 + seq * h * nbytes
             parts["post"][(tp, sp)] = RankPart(post_nodes, h * vocab // tp + h, [], {k: (lk, 0) for k in act}, 0)

@@ -29,7 +29,8 @@ def program():
 def _warning(program, text: str, batch: int = 16):
     plan = fxpar.Plan.parse(text)
     setup = feasibility.pipeline_setup(plan, batch)
-    return pipeline_warning(program, balanced_cuts(program, setup.n_stages, PROFILES["cpu"]), plan, setup, PROFILES["cpu"])
+    return pipeline_warning(program, balanced_cuts(program, setup.n_stages, PROFILES["cpu"]), plan, setup,
+                            PROFILES["cpu"])
 
 
 def test_loads_add_up_to_the_program(program):

@@ -81,7 +81,8 @@ def test_table_numbers_are_exact_for_linears():
     assert rows["mlp.fc2"].flops == 2 * 4 * 16 * 8
     assert rows["mlp.fc1"].params == 16 * 8 + 16
     assert rows[""].params == sum(q.numel() for q in Tiny().parameters())
-    assert abs(sum(r.share for k, r in rows.items() if k.count(".") == 0 and k) - rows[""].flops / rows[""].flops) < 0.05
+    assert abs(sum(r.share for k, r in rows.items() if k.count(".") == 0 and k)
+               - rows[""].flops / rows[""].flops) < 0.05
 
 
 def test_json_has_the_same_rows():

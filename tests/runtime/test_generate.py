@@ -41,7 +41,8 @@ def compiled_for(directory: str, plan: str):
     """The directory's model built on the meta device, each rank reading its shards, compiled for ``plan``."""
     batch = prompts(directory)
     ids = batch["input_ids"][:2]
-    return fxpar.compile(load_model(directory), plan, example_kwargs={"input_ids": ids, "labels": ids, "use_cache": False},
+    return fxpar.compile(load_model(directory), plan,
+                         example_kwargs={"input_ids": ids, "labels": ids, "use_cache": False},
                          weights=directory_weights(Path(directory)), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
                          timeout=120)
 

@@ -103,7 +103,8 @@ def test_inferred_styles_cut_uneven_dims_and_leave_heads_that_do_not_divide_whol
     assert "transformer.h.0.mlp.c_fc.weight" in info.sharded and "transformer.wte.weight" in info.sharded
     _, info3 = tensor_parallel(program, 3, 0)
     uneven = info3.uneven()
-    assert uneven["transformer.wte.weight"] == [86, 86, 84] and uneven["transformer.h.0.mlp.c_fc.weight"] == [43, 43, 42]
+    assert uneven["transformer.wte.weight"] == [86, 86, 84] and \
+        uneven["transformer.h.0.mlp.c_fc.weight"] == [43, 43, 42]
     assert "transformer.h.0.attn.c_attn.weight" in info3.sharded and "transformer.h.0.attn.c_attn.weight" not in uneven
     with pytest.raises(PlanError, match="3 attention heads"):
         tensor_parallel(program, 2, 0, {"transformer.h.*.attn.c_attn": "colwise"})

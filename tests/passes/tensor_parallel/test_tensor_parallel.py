@@ -120,8 +120,8 @@ def compiled_training(name: str, pp: int, tp: int, sp: bool = False, steps: int 
     model = zoo.build(name, seed=0, stock=True)  # the config as from_pretrained gives it (use_cache=True)
     batch = zoo.example_inputs(name, model, batch=4, seq=8, stock=True)
     opt = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
-    compiled = fxpar.compile(model, fxpar.Plan(pp=pp, tp=tp, microbatches=2, sequence_parallel=sp), example_kwargs=batch,
-                             optimizer=opt, timeout=60)
+    compiled = fxpar.compile(model, fxpar.Plan(pp=pp, tp=tp, microbatches=2, sequence_parallel=sp),
+                             example_kwargs=batch, optimizer=opt, timeout=60)
     ref = zoo.build(name, seed=0, stock=True)
     diffs = train_against_reference(compiled, ref, opt, batch, steps, grads=True, every_step=False)
     logits = 0.0
@@ -207,7 +207,8 @@ def tp_inspection() -> dict:
     compiled = fxpar.compile(model, fxpar.Plan(tp=2), example_kwargs=batch, timeout=60)
     report = fxpar.inspect(compiled, quiet=True)
     return {"rows": report.collectives(), "table": report.collective_table(), "text": report.to_text(),
-            "graph": fxpar.inspect(compiled.program, quiet=True).graph("model.layers.0.mlp"), "all": fxpar.inspect(compiled.program, quiet=True).graph()}
+            "graph": fxpar.inspect(compiled.program, quiet=True).graph("model.layers.0.mlp"),
+            "all": fxpar.inspect(compiled.program, quiet=True).graph()}
 
 
 def test_inspection_shows_placements_and_collectives_per_layer(pool2):

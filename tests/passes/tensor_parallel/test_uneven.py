@@ -114,6 +114,7 @@ def test_coverage_and_planner_take_uneven_degrees(programs):
     assert cov.shardable == 0 and cov.local == sum(  # rank 0's share, the largest
         p.numel if info.layout(f) is None else torch.Size(info.layout(f).local_shape(p.shape, 0)).numel()
         for f, p in program.params.items() if not p.is_buffer)
-    costs = model_costs(zoo.build("llama", vocab_size=257, hidden_size=32, intermediate_size=130), 8, tp_degrees=(2, 4, 8))
+    costs = model_costs(zoo.build("llama", vocab_size=257, hidden_size=32, intermediate_size=130), 8,
+                        tp_degrees=(2, 4, 8))
     assert costs.tp_allowed[2] is None and costs.tp_allowed[4] is None
     assert "4 attention heads" in costs.tp_allowed[8]  # heads, not the vocabulary, bound the degree
