@@ -12,6 +12,6 @@ from fxpar.ir.program import Program
 from fxpar.report.report import inspect
 from fxpar.runtime.model import CompiledModel
 
-__all__ = ["trace", "compile", "autoplan", "price", "inspect", "Plan", "Program", "CompiledModel", "FxparError", "TraceError",
-           "PlanError"]
+__all__ = ["trace", "compile", "autoplan", "price", "inspect", "Plan", "Program", "CompiledModel", "FxparError",
+           "TraceError", "PlanError"]
 __version__ = "0.1.0"

@@ -181,8 +181,8 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
 
     Under torchrun without a process group, ``compile`` joins it (:func:`fxpar.launch.init_distributed`);
     ``device=None`` is where the model's weights are, or for a meta-device model the device
-    :func:`fxpar.launch.device_for_rank` picks (``cuda:<LOCAL_RANK>``, or the CPU). A peer that dies makes every other rank raise :class:`fxpar.runtime.liveness.PeerFailure`
-    naming it, within the timeout.
+    :func:`fxpar.launch.device_for_rank` picks (``cuda:<LOCAL_RANK>``, or the CPU). A peer that dies makes every
+    other rank raise :class:`fxpar.runtime.liveness.PeerFailure` naming it, within the timeout.
 
     ``profile``: the device profile (:class:`~fxpar.cost.profiles.DeviceProfile`, a profile name such as
     ``"h100-80gb"`` or a ``fxpar calibrate`` JSON path) the pipeline cuts are balanced and the stage times

@@ -32,7 +32,8 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_memory(value: int | float | str | None) -> int | None:
-    """Bytes from ``80e9``, ``"80GB"`` (powers of 1000), ``"80GiB"`` (powers of 1024) or ``"512 MB"``; None stays None."""
+    """Bytes from ``80e9``, ``"80GB"`` (powers of 1000), ``"80GiB"`` (powers of 1024) or ``"512 MB"``; None stays
+    None."""
     if value is None or isinstance(value, (int, float)):
         return None if value is None else int(value)
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
@@ -122,8 +123,8 @@ def autoplan(model: torch.nn.Module, world_size: int, *, device: str | DevicePro
     ``global_batch`` sequences of ``seq`` tokens per optimizer step. ``dtype``: ``"fp32"`` or ``"bf16"``
     (None: the model's). ``costs``: a :class:`~fxpar.planner.model_costs.ModelCosts` already computed for
     this ``seq`` (skips the trace). ``int8``: also price ZeRO-3 with int8 parameter gathers
-    (``comm_dtype="int8"``, lossy: only when asked for). Returns an :class:`~fxpar.planner.search.AutoPlan`: ``.best`` (a
-    :class:`Plan`), ``.estimate``, ``.ranked``, ``.rejected`` with their reasons, ``.baseline`` (the usual
+    (``comm_dtype="int8"``, lossy: only when asked for). Returns an :class:`~fxpar.planner.search.AutoPlan`:
+    ``.best`` (a :class:`Plan`), ``.estimate``, ``.ranked``, ``.rejected`` with their reasons, ``.baseline`` (the usual
     hand-made plan priced the same way) and ``.to_text()``. Raises :class:`PlanError` when nothing fits,
     naming the numbers and what would.
     """

@@ -53,7 +53,8 @@ def weight_map(directory: Path) -> dict[str, str]:
         data = json.loads(index.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise InputError(f"weights: {index} is not valid JSON ({e})", path=index,
-                         fix="write the model again with save_pretrained, which writes the index with its shards") from e
+                         fix="write the model again with save_pretrained, "
+                             "which writes the index with its shards") from e
     if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict) or not data["weight_map"]:
         raise InputError(f"weights: {index} has no weight_map (tensor name -> file), which a sharded model's index "
                          "holds", path=index, fix="write the model again with save_pretrained")

@@ -51,8 +51,8 @@ uniformly from the vocabulary (all ids in range, the pad id excluded so that no 
 padding without an attention mask), the ``labels`` that make the model compute its loss (causal LMs:
 the input ids -- the model shifts them; BERT: the input ids at every position; T5 / BART: a target
 sequence, plus the ``decoder_input_ids`` the model would derive from it, so the shift is not in the
-traced graph), and ``use_cache=False`` (none with ``stock=True``). Inputs are deterministic in ``seed`` and use a private
-generator, so the global RNG is untouched.
+traced graph), and ``use_cache=False`` (none with ``stock=True``). Inputs are deterministic in ``seed`` and use a
+private generator, so the global RNG is untouched.
 
 Known caveats (transformers 5.23 / torch 2.13 unless said otherwise):
 

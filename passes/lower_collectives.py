@@ -9,11 +9,11 @@ local ops where no communication is needed).
 Why: fxpar's own ops wait inside their kernels, so to a compiler each is an opaque call that can be
 neither moved nor merged. Functional collectives return at once and ``wait_tensor`` marks where the
 result is needed; with the wait just before the result's first use (views of the result, which compute
-nothing, move down with it), compute that does not depend on it runs while the collective is in flight (gloo and NCCL progress asynchronously), and Inductor's
-reordering and bucketing passes recognise them. The IR keeps fxpar's ops everywhere else (inspection
-and the byte counters read them): this runs last, on a copy of a stage's graph inside torch.compile
-(``fxpar.runtime.compile`` installs it as Inductor's ``post_grad_custom_pre_pass``, where it sees the
-forward and the backward graphs alike).
+nothing, move down with it), compute that does not depend on it runs while the collective is in flight (gloo and
+NCCL progress asynchronously), and Inductor's reordering and bucketing passes recognise them. The IR keeps fxpar's
+ops everywhere else (inspection and the byte counters read them): this runs last, on a copy of a stage's graph
+inside torch.compile (``fxpar.runtime.compile`` installs it as Inductor's ``post_grad_custom_pre_pass``, where it
+sees the forward and the backward graphs alike).
 
 Per op (``n`` the group size, ``r`` this rank's index in it):
 

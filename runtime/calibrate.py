@@ -207,7 +207,8 @@ def rank_measurements(groups=(2, 4, 8), sizes=SIZES, kinds=KINDS, *, budget: flo
                     if kind == "send":
                         t = _time_collective(_ping_pong(nbytes, device), pg, device, budget) / 2
                     else:
-                        t = _time_collective(_collective_op(kind, nbytes, pg, n, rank, device, gloo), pg, device, budget)
+                        t = _time_collective(_collective_op(kind, nbytes, pg, n, rank, device, gloo), pg, device,
+                                             budget)
                     out["times"][kind].setdefault(n, []).append([nbytes, t])
         dist.barrier()
     if concurrent:
@@ -304,4 +305,5 @@ def calibrate(world: int = 8, *, quick: bool = False, device=None, timeout: floa
             else platform.processor() or platform.machine(), "cores": os.cpu_count(), "world": world,
             "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
             "backend": backend, "quick": quick, "device_memory": mem, "matmul": mm, "memory_bandwidth": bw,
-            "op_overhead": ovh, "elementwise": ew, "optimizer": opt, "fresh": fresh, **comm, "seconds": time.perf_counter() - t_start}
+            "op_overhead": ovh, "elementwise": ew, "optimizer": opt, "fresh": fresh, **comm,
+            "seconds": time.perf_counter() - t_start}

@@ -40,7 +40,8 @@ def collective_op(kind: str, nbytes: int, pg, n: int, me: int, device, gloo: boo
     if kind == "reduce_scatter":
         part = torch.empty(numel // n, device=device)
         if gloo:  # fxpar's gloo kernel (fxpar.runtime.collectives): all-reduce the whole, keep a slice
-            return lambda: (dist.all_reduce(full, group=pg), part.copy_(full[me * part.numel():(me + 1) * part.numel()]))
+            return lambda: (dist.all_reduce(full, group=pg),
+                            part.copy_(full[me * part.numel():(me + 1) * part.numel()]))
         return lambda: _reduce_scatter(part, full, group=pg)
     if kind == "all_to_all":
         out = torch.empty_like(full)

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from fxpar.ir.errors import CollectiveError
 from fxpar.runtime.groups import resolve_group
 
-__all__ = ["Pending", "all_gather_into", "all_gather_list", "all_gather_object", "all_reduce", "barrier", "gather_object",
-           "broadcast", "recv", "reduce_scatter_into", "send"]
+__all__ = ["Pending", "all_gather_into", "all_gather_list", "all_gather_object", "all_reduce", "barrier",
+           "gather_object", "broadcast", "recv", "reduce_scatter_into", "send"]
 
 # torch 2.13 names the single-tensor all-gather / reduce-scatter *_single; older releases *_into_tensor / *_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

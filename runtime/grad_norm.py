@@ -13,9 +13,9 @@ rank, a tied parameter (embedding and LM head) on every pipeline rank holding it
 *counting* rank, the rule ``fxpar.runtime.state.local_state`` uses to give every entry one writer: the
 first pipeline rank holding the parameter; TP rank 0 for what TP does not cut (its gradient is the same
 on every TP rank), each TP rank its own shard; for whole gradients dp rank 0, for ZeRO's flat shards
-each dp rank its own slice (padding excluded; with HSDP the first replica's copy of each). Every rank sums the squares of what it counts and one
-all-reduce of that scalar over the world gives the same norm everywhere; every rank then scales all the
-gradients it steps, counted or not, by the same factor. Cost: one scalar all-reduce per step.
+each dp rank its own slice (padding excluded; with HSDP the first replica's copy of each). Every rank sums the
+squares of what it counts and one all-reduce of that scalar over the world gives the same norm everywhere; every
+rank then scales all the gradients it steps, counted or not, by the same factor. Cost: one scalar all-reduce per step.
 
 ZeRO-1/2 clip the flat shards their optimizer steps; the parameters' own ``.grad`` (views of the
 reduced bucket under ZeRO-1) keep the unclipped values, which nothing steps.

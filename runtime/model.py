@@ -48,7 +48,6 @@ STEP_HEAP_SLACK = 64 * 2**20  # a step gives the heap's free pages back once the
 
 class CompiledModel:
     """A model compiled for one plan, on this rank. See :func:`fxpar.compile`."""
-
     def __init__(self, build: Callable, model: torch.nn.Module, plan: Plan, mesh: MeshSpec, setup, actions,
                  example_args, example_kwargs, optimizer, *, device: torch.device, timeout: float,
                  device_mesh=None, program: Program | None = None, predict_memory: Callable | None = None,
@@ -82,10 +81,10 @@ class CompiledModel:
         if compile_enabled(self.plan.compile, self.device) and not self.dry:  # Plan.compile: through Inductor
             stage_fns = {s.index: compile_stage(s.gm, stage=s.index, lower=self._lower, device=self.device)
                          for s in result.pipeline.stages_of(self.pp_rank)}
-        return PipelineRuntime(result.pipeline, self.schedule, self.pp_rank, self.spec.pipeline_ranks(), None,
-                               self.device, self.timeout, forward_context=Zero3Regather if self.plan.zero == 3 else None,
-                               autocast_dtype=torch.bfloat16 if self.plan.mixed_precision == "bf16" else None,
-                               stage_fns=stage_fns)
+        return PipelineRuntime(
+            result.pipeline, self.schedule, self.pp_rank, self.spec.pipeline_ranks(), None, self.device, self.timeout,
+            forward_context=Zero3Regather if self.plan.zero == 3 else None,
+            autocast_dtype=torch.bfloat16 if self.plan.mixed_precision == "bf16" else None, stage_fns=stage_fns)
 
     def _my_named_parameters(self, pipeline: PipelineProgram) -> list[tuple[str, torch.nn.Parameter]]:
         """(name in its stage, parameter) for the stages this rank runs, each parameter once."""
@@ -180,7 +179,8 @@ class CompiledModel:
                 else:  # a scalar; the loss weighs each microbatch by its share of the batch's counted labels
                     w = (self._mine(loss_weights(result.program, every, self.model)) if j == pipeline.loss_output
                          else [1 / (self.m * self.dp)] * self.m)
-                    full = sum((a * b for a, b in zip(w, parts) if a), torch.zeros((), device=self.device)).to(val.dtype)
+                    full = sum((a * b for a, b in zip(w, parts) if a),
+                               torch.zeros((), device=self.device)).to(val.dtype)
             if self.world > 1:
                 dist_calls.all_reduce(full)
             outs.append(full)
@@ -257,7 +257,8 @@ def make_engine(named, factory, groups: ParamGroups | None, result: CompileResul
     group_of = None
     if groups is not None:
         canonical = {id(b.shard): b.names[0] for bs in result.zero3_buckets.values() for b in bs}
-        mixed = [b.names for bs in result.zero3_buckets.values() for b in bs if len(set(map(groups.index, b.names))) > 1]
+        mixed = [b.names for bs in result.zero3_buckets.values() for b in bs
+                 if len(set(map(groups.index, b.names))) > 1]
         if mixed:  # the ZeRO-3 pass splits buckets by group; a mixed one would step some entries wrongly
             raise RuntimeError(f"fxpar.runtime.model: ZeRO-3 buckets {mixed[:2]} mix optimizer parameter groups")
         group_of = {id(p): groups.index(canonical.get(id(p), n)) for n, p in named}

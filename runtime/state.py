@@ -194,14 +194,15 @@ def local_state(compiled, *, optimizer: bool = False, writers_only: bool = True)
     ``writers_only``: only the chunks this rank writes, so that each entry of each full tensor has exactly
     one writer: the owning pipeline rank (the first stage holding it, for tied parameters), one data-parallel
     replica of what is replicated over dp (chosen by FQN, to spread the bytes) or each dp rank its own
-    ZeRO slice (of HSDP's copies of a slice, one replica), and one TP rank of what TP does not cut. Without it: everything this rank holds (to load
-    into). Scalar states (``step``) go with the chunk at the tensor's origin."""
+    ZeRO slice (of HSDP's copies of a slice, one replica), and one TP rank of what TP does not cut. Without it:
+    everything this rank holds (to load into). Scalar states (``step``) go with the chunk at the tensor's origin."""
     result, mesh, program = compiled.result, compiled.spec, compiled.result.program
     pipeline, tp = result.pipeline, result.tp
     owner = owning_ranks(pipeline)
     canonical = canonical_names(program)
     ep = getattr(compiled, "ep", None)  # CompiledModel.ep: the expert-parallel record
-    experts = ep.info.experts if ep is not None and ep.info is not None else {}  # expert slices: ep rank e holds rows [e * n, (e + 1) * n)
+    # expert slices: ep rank e holds rows [e * n, (e + 1) * n)
+    experts = ep.info.experts if ep is not None and ep.info is not None else {}
 
     def writes(fqn: str, per_dp: bool) -> bool:
         if owner.get(fqn, mesh.pp_rank) != mesh.pp_rank:

@@ -67,7 +67,8 @@ def _table(m: dict, profile) -> str:
         rows.append(f"  all_reduce, every rank in a group of {n} at once: alpha {a * 1e6:.1f} us, beta "
                     f"{1 / max(b, 1e-15) / g:.2f} GB/s ({b / max(ib, 1e-18):.1f}x one group's beta)")
     for kind, (a, b) in profile.collective_call.items():
-        rows.append(f"  fxpar {kind} op beyond the raw collective: {a * 1e6:.1f} us per call, {b * 1e12:.0f} ps per byte")
+        rows.append(f"  fxpar {kind} op beyond the raw collective: {a * 1e6:.1f} us per call, "
+                    f"{b * 1e12:.0f} ps per byte")
     if profile.pipeline_action:
         rows.append("  pipeline runtime per action (us): " + ", ".join(f"{k}: {v * 1e6:.0f}"
                                                                       for k, v in profile.pipeline_action.items()))
@@ -115,7 +116,8 @@ def cmd_calibrate(args) -> int:
     print(_table(m, profile))
     if "step_op_overhead" in m:
         p = m["step_op_overhead"]
-        print(f"  op overhead in fxpar's step: {p['op_overhead'] * 1e6:.2f} us/op (a tiny Llama's step {p['step'] * 1e3:.2f} ms, "
+        print(f"  op overhead in fxpar's step: {p['op_overhead'] * 1e6:.2f} us/op "
+              f"(a tiny Llama's step {p['step'] * 1e3:.2f} ms, "
               f"{p['arithmetic'] * 1e3:.2f} ms of it arithmetic, {p['ops']:.0f} ops): the profile's op overhead")
     if args.reference and not str(m.get("device", "cpu")).startswith("cuda"):
         from fxpar.planner.reference import fit_to_reference
@@ -123,7 +125,8 @@ def cmd_calibrate(args) -> int:
         profile, fit = fit_to_reference(profile)
         m["reference"] = fit
         got, pred = fit["measured"], fit["predicted"]
-        print(f"  reference step (Llama-shaped, hidden {fit['model']['hidden_size']}, {fit['model']['num_hidden_layers']} "
+        print(f"  reference step (Llama-shaped, hidden {fit['model']['hidden_size']}, "
+              f"{fit['model']['num_hidden_layers']} "
               f"layers, vocab {fit['model']['vocab_size']}, {fit['model']['batch']} x {fit['model']['seq']} tokens): "
               f"{got['step'] * 1e3:.0f} ms, of it {got['matmul'] * 1e3:.0f} ms in matrix products; predicted "
               f"{pred['matmul'] * 1e3:.0f} (matmul) + {pred['elementwise'] * 1e3:.0f} (elementwise) + "

@@ -60,7 +60,8 @@ def cmd_plan(args) -> int:
             f"stride=({plan.pp * plan.tp}, {plan.tp}, 1))")
     if plan.dp_replicate > 1:  # HSDP: the dp dimension as (dp_replicate, dp_shard), replicas outermost
         mesh = (f"DeviceMesh((dp_replicate={plan.dp_replicate}, dp_shard={plan.dp_shard}, pp={plan.pp}, "
-                f"tp={plan.tp}), 'cpu', stride=({plan.dp_shard * plan.pp * plan.tp}, {plan.pp * plan.tp}, {plan.tp}, 1))")
+                f"tp={plan.tp}), 'cpu', "
+                f"stride=({plan.dp_shard * plan.pp * plan.tp}, {plan.pp * plan.tp}, {plan.tp}, 1))")
     if plan.ep > 1:  # expert parallelism sits between dp and pp (fxpar.ir.mesh)
         mesh = (f"DeviceMesh(({dp_axis}={plan.dp}, ep={plan.ep}, pp={plan.pp}, tp={plan.tp}), 'cpu', "
                 f"stride=({plan.ep * plan.pp * plan.tp}, {plan.pp * plan.tp}, {plan.tp}, 1))")

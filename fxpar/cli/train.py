@@ -5,9 +5,10 @@ index, and its tokenizer), a zoo name or an HF config.json. Data (required): ``-
 text, JSON lines with a text field, chat JSON lines with ``messages``, parquet; packed into ``--seq``
 windows or, with ``--no-pack``, padded), ``--data synthetic`` for random tokens (a banner says so), or for
 models without a tokenizer a text file read as bytes. Files over 8 MiB are streamed (``--streaming
-auto|on|off``, ``--shuffle-buffer N``): each rank reads and tokenizes only its share. Optimisation as HF Trainer: AdamW with weight-decay groups,
-``--lr-scheduler`` with ``--warmup``, ``--max-grad-norm``, ``--grad-accum``, ``--bf16``. ``--eval-data`` / ``--eval-every``:
-evaluation loss and perplexity. ``--metrics-out`` (JSON lines), ``--tensorboard`` (when installed).
+auto|on|off``, ``--shuffle-buffer N``): each rank reads and tokenizes only its share. Optimisation as HF
+Trainer: AdamW with weight-decay groups, ``--lr-scheduler`` with ``--warmup``, ``--max-grad-norm``,
+``--grad-accum``, ``--bf16``. ``--eval-data`` / ``--eval-every``: evaluation loss and perplexity.
+``--metrics-out`` (JSON lines), ``--tensorboard`` (when installed).
 ``--save DIR`` writes a checkpoint at the end (``--save-every K``: also every K steps;
 ``--save-total-limit N``: keep the newest N). ``--resume PATH`` continues from a ``step_N`` checkpoint or
 a directory's latest (``--resume auto``: ``--save``'s latest when there is one), with the same losses as
@@ -30,7 +31,9 @@ def run(args) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("model", help="a save_pretrained directory, a zoo name (see `fxpar zoo`) or an HF config.json")
-    p.add_argument("--plan", default="dp=1", help="degrees and options, e.g. dp=2,pp=2,tp=2,zero=1,microbatches=4, or auto (fxpar.autoplan chooses)")
+    p.add_argument("--plan", default="dp=1",
+                   help="degrees and options, e.g. dp=2,pp=2,tp=2,zero=1,microbatches=4, "
+                        "or auto (fxpar.autoplan chooses)")
     p.add_argument("--plan-file", default=None, help="a JSON or TOML plan (never pickle)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument("--batch", type=int, default=8,

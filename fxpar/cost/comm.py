@@ -35,8 +35,9 @@ from fxpar.ir.numeric import nbytes
 from fxpar.ir.ops import COLLECTIVE_OPS, collective_nodes, group_size
 from fxpar.ir.wire import int8_wire_bytes
 
-__all__ = ["COMMS", "KINDS", "RING", "collective_bytes", "collective_events", "collective_ring_bytes", "data_parallel_collectives",
-           "payloads", "pipeline_transfers", "ring", "ring_bytes", "sent_bytes", "step_collectives"]
+__all__ = ["COMMS", "KINDS", "RING", "collective_bytes", "collective_events", "collective_ring_bytes",
+           "data_parallel_collectives", "payloads", "pipeline_transfers", "ring", "ring_bytes", "sent_bytes",
+           "step_collectives"]
 
 # The one collective table, ring algorithms on n ranks: (steps of latency, and the share of the full
 # tensor's bytes each rank sends as numerator, denominator). Every byte and time formula reads it.

@@ -146,7 +146,8 @@ class Pricer:
 
     def _stages(self, n_stages: int, tp: int, sp: bool, b: int, rc: str, world: int, dtype: str,
                 var: tuple = (1, False, False)) -> dict[str, list]:
-        """Per stage of the balanced cuts: compute, TP comm, params, activations, outputs, EP (cached; ``var``: _variant)."""
+        """Per stage of the balanced cuts: compute, TP comm, params, activations, outputs, EP (cached;
+        ``var``: _variant)."""
         key = (n_stages, tp, sp, b, rc, world, dtype, var)
         got = self._stage_cache.get(key)
         if got is not None:
@@ -247,7 +248,8 @@ class Pricer:
         pkey = ("peaks", n_stages, tp, sp, b, rc, world, dtype, name, pp, m, v, is_exact, _variant(self, plan))
         acts = self._stage_cache.get(pkey)
         if acts is None:  # plans differing only in data parallelism share them
-            acts = self._stage_cache[pkey] = activation_peaks(name, pp, m, v, mine, kept, trans, st["kout"], params, is_exact)
+            acts = self._stage_cache[pkey] = activation_peaks(name, pp, m, v, mine, kept, trans, st["kout"], params,
+                                                              is_exact)
         # the slowest rank's busy time and its parts
         busy = [m * sum(F[s] + B[s] for s in st) for st in mine]
         r0 = max(range(pp), key=lambda r: busy[r])

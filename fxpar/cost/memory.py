@@ -92,7 +92,8 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
     ``groups``; ``plan.dp`` is then the ``dp x ep`` replicas."""
     dp, pp = plan.dp, plan.pp
     dp_exposed = opt_time = 0.0
-    slow = comm_share(p, min(plan.world_size, p.ranks_per_node), dp)  # collectives slowed by ranks computing beside them
+    # collectives slowed by ranks computing beside them
+    slow = comm_share(p, min(plan.world_size, p.ranks_per_node), dp)
     worst: tuple = ()
     per_n: dict[int, tuple] = {}  # ranks holding equal parameter counts share their collectives
     for r in range(pp):
@@ -105,7 +106,8 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
             stepped = (n - ne) // groups.shard if plan.zero else n - ne
             if ne:  # the expert slices: their own buckets after the dense ones, sharded over their group
                 g = experts[1]
-                red, last, gather = (x + y for x, y in zip((red, last, gather), engine_times(p, plan.zero, ne, g, BUCKET)))
+                red, last, gather = (x + y for x, y in zip((red, last, gather),
+                                                           engine_times(p, plan.zero, ne, g, BUCKET)))
                 mem = {k: v + state_bytes(ne, plan.zero, g.shard, ADAM_STATES)[k] for k, v in mem.items()}
                 stepped += ne // g.shard if plan.zero else ne
             red, last, gather = red / slow, last / slow, gather / slow  # the dense and the expert buckets alike

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fxpar.cost.profiles import DeviceProfile
 
-__all__ = ["Overheads", "StepCounts", "call_time", "comm_share", "dp_bucket_count", "gather_copy_time", "overheads", "runtime_fields"]
+__all__ = ["Overheads", "StepCounts", "call_time", "comm_share", "dp_bucket_count", "gather_copy_time", "overheads",
+           "runtime_fields"]
 
 
 @dataclass(frozen=True)

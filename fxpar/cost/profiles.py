@@ -25,8 +25,8 @@ from fxpar.cost.comm import KINDS, RING, ring
 from fxpar.ir.errors import PlanError
 from fxpar.ir.options import run_options
 
-__all__ = ["DEFAULT_PATH", "KINDS", "PROFILES", "DeviceProfile", "Link", "fit_alpha_beta", "fit_table", "load_profile", "profile_for_device",
-           "profile_from_measurements"]
+__all__ = ["DEFAULT_PATH", "KINDS", "PROFILES", "DeviceProfile", "Link", "fit_alpha_beta", "fit_table", "load_profile",
+           "profile_for_device", "profile_from_measurements"]
 
 # dtype spellings a caller may use -> the profile's keys
 _DTYPE_KEYS = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
@@ -58,24 +58,32 @@ class DeviceProfile:
     intra: Link  # inside a node
     inter: Link  # between nodes
     op_overhead: float = 0.0  # seconds per launched op
-    compute_share: dict[int, float] = field(default_factory=dict)  # busy ranks on a node -> each one's throughput factor
+    # busy ranks on a node -> each one's throughput factor
+    compute_share: dict[int, float] = field(default_factory=dict)
     collectives: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)  # measured (alpha, beta)
     peak_flops: dict[str, float] = field(default_factory=dict)  # published dense peaks, for MFU
     source: str = ""
-    elementwise_rate: float = 0.0  # elements/s of non-matmul ops (fxpar counts one FLOP per output element); 0: bandwidth only
+    # elements/s of non-matmul ops (fxpar counts one FLOP per output element); 0: bandwidth only
+    elementwise_rate: float = 0.0
     optimizer_entry_time: float = 0.0  # seconds of the optimizer step per fp32 parameter entry; 0: from mem_bw
     fresh_bw: float = 0.0  # bytes/s of writing into newly mapped memory (first touch); 0: no such cost
     fresh_threshold: int = 0  # outputs of at least this many bytes are newly mapped on every allocation
-    comm_overlaps: bool = True  # collectives run beside compute (GPU copy engines); False: on the computing cores (gloo on a CPU host)
+    # collectives run beside compute (GPU copy engines); False: on the computing cores (gloo on a CPU host)
+    comm_overlaps: bool = True
     # torch's optimizers step tensor by tensor on the CPU (temporaries of the largest tensor), with their
     # multi-tensor (foreach) kernels on CUDA (temporaries of every stepped tensor at once)
     optimizer_per_tensor: bool = False
     # fxpar's own per-step costs (fxpar.cost.overheads prices them); 0 or empty: not measured (published GPU profiles)
-    collective_call: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind -> (s per call, s per byte) of fxpar's op beyond the raw one
-    pipeline_action: dict[str, float] = field(default_factory=dict)  # schedule -> s of the runtime's bookkeeping per action of a rank
-    bucket_copy: tuple[float, float] = (0.0, 0.0)  # DP bucket: (s per bucket beyond its all-reduce, bytes/s of the gradients' copies in)
-    gather_copy: tuple[float, float] = (0.0, 0.0)  # ZeRO-3 gather: (s per gather beyond its all-gather, bytes/s of its copies)
-    optimizer_tensor: tuple[float, float] = (0.0, 0.0)  # (s per stepped tensor beyond its entries' time, s per parameter group)
+    # kind -> (s per call, s per byte) of fxpar's op beyond the raw one
+    collective_call: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # schedule -> s of the runtime's bookkeeping per action of a rank
+    pipeline_action: dict[str, float] = field(default_factory=dict)
+    # DP bucket: (s per bucket beyond its all-reduce, bytes/s of the gradients' copies in)
+    bucket_copy: tuple[float, float] = (0.0, 0.0)
+    # ZeRO-3 gather: (s per gather beyond its all-gather, bytes/s of its copies)
+    gather_copy: tuple[float, float] = (0.0, 0.0)
+    # (s per stepped tensor beyond its entries' time, s per parameter group)
+    optimizer_tensor: tuple[float, float] = (0.0, 0.0)
     comm_share: dict[int, float] = field(default_factory=dict)  # busy ranks on a node -> a collective's speed factor
 
     def matmul_flops(self, dtype: str) -> float:
@@ -356,9 +364,9 @@ def fit_table(times: dict) -> dict[str, dict[int, tuple[float, float]]]:
 def profile_from_measurements(m: dict, *, name: str | None = None) -> DeviceProfile:
     """The profile :func:`fxpar.runtime.calibrate.calibrate`'s dict describes: measured matmul rates,
     memory bandwidth, op overhead (the forward's per op), compute share and fitted collectives; the
-    links from the all-reduce of the largest measured group (per step and per byte each rank sends). A
-    GPU whose published profile is known keeps its inter-node link and peaks (one host measures no
-    network), a node being the ranks torchrun started on it; a CPU host is one node of ``max(world, cores)`` ranks sharing 80% of its RAM."""
+    links from the all-reduce of the largest measured group (per step and per byte each rank sends). A GPU whose
+    published profile is known keeps its inter-node link and peaks (one host measures no network), a node being the
+    ranks torchrun started on it; a CPU host is one node of ``max(world, cores)`` ranks sharing 80% of its RAM."""
     from fxpar.cost.overheads import runtime_fields  # (fxpar calibrate's "runtime" measurements)
     table = fit_table(m.get("times", {}))
     gpu = str(m.get("device", "cpu")).startswith("cuda")
@@ -373,7 +381,8 @@ def profile_from_measurements(m: dict, *, name: str | None = None) -> DeviceProf
         intra = Link(share / max(beta, 1e-15), alpha / steps)
     else:
         intra = (base or cpu_default()).intra
-    memory = int(m["device_memory"] * (1 - MEM_RESERVE)) if m.get("device_memory") else int(0.8 * _host_memory() / ranks)
+    memory = (int(m["device_memory"] * (1 - MEM_RESERVE)) if m.get("device_memory")
+              else int(0.8 * _host_memory() / ranks))
     return DeviceProfile(
         name=name or f"calibrated-{m.get('host', 'host')}", flops={k: v["flops"] for k, v in m["matmul"].items()},
         mem_bw=m["memory_bandwidth"]["bytes_per_s"], memory=memory, ranks_per_node=ranks, intra=intra,

@@ -42,7 +42,8 @@ def is_matmul(flops: float, nbytes: float) -> bool:
     return flops >= nbytes
 
 
-def work_time(profile, flops: float, bwd_flops: float, nbytes: float, out_bytes: float, dtype: str) -> tuple[float, float]:
+def work_time(profile, flops: float, bwd_flops: float, nbytes: float, out_bytes: float,
+              dtype: str) -> tuple[float, float]:
     """(forward, backward) seconds of one op with the launch overhead: one op forward and two backward,
     the elementwise rate for ops that are not matrix products (:func:`is_matmul`), and the first touch
     of its output (forward) and of the gradients it makes (backward, about the output's size)."""

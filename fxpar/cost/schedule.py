@@ -35,8 +35,8 @@ from fxpar.ir.schedule import (
 
 EXACT_LIMIT = 2500  # actions: above this, the closed form (building torch's orders gets slow)
 
-__all__ = ["EXACT_LIMIT", "closed_form", "critical_path", "makespan", "moments", "n_actions", "peak_activation", "schedule_dag",
-           "walk"]
+__all__ = ["EXACT_LIMIT", "closed_form", "critical_path", "makespan", "moments", "n_actions", "peak_activation",
+           "schedule_dag", "walk"]
 
 
 def n_actions(schedule: str, pp: int, m: int, v: int) -> int:
@@ -123,7 +123,8 @@ def _exact(key: tuple) -> tuple[float, float]:
     return _longest(*_compiled(name, pp, m, v), pp, f, b, w, comm)
 
 
-def makespan(actions: dict[int, list[Action]], place: list[int], F, B, W=None, comm: float = 0.0) -> tuple[float, float]:
+def makespan(actions: dict[int, list[Action]], place: list[int], F, B, W=None,
+             comm: float = 0.0) -> tuple[float, float]:
     """``(makespan, bubble)`` of per-rank orders ``actions`` (a schedule already checked for deadlocks, as
     compile's are) over stages placed by ``place``: the critical path of :func:`critical_path`, on these
     orders rather than a schedule's name."""
@@ -225,7 +226,8 @@ def moments(name: str, pp: int, m: int, v: int) -> tuple:
 def peak_activation(schedule: str, pp: int, m: int, v: int, kept: list[list[float]],
                     transient: list[list[float]], exact: bool | None = None) -> list[float]:
     """Peak activation bytes per rank: ``kept[r][i]`` / ``transient[r][i]`` per microbatch of rank r's
-    i-th stage (in stage order), at the moments of :func:`walk`. Above :data:`EXACT_LIMIT`: the in-flight bound of the schedule's warm-up."""
+    i-th stage (in stage order), at the moments of :func:`walk`. Above :data:`EXACT_LIMIT`: the in-flight bound of
+    the schedule's warm-up."""
     name = normalize_schedule(schedule)
     v = stages_per_rank(name, v)
     if exact is None:

@@ -8,8 +8,8 @@ its units are the same segments of the parts it traced, weighed the same way) bo
 A stage over the points ``[i, j)`` costs its forward and backward seconds (prefix sums at the points) plus
 the boundary seconds at each end it shares with a neighbour (activations in and out, their gradients back).
 The dynamic program is exact; among stage lists of equal cost (to :data:`TIE`) it keeps, stage by stage
-from the last, the latest cut. Vectorised over the start points (numpy), so a 500-point model splits into 100 stages in tens
-of milliseconds. Reads numbers only; writes nothing.
+from the last, the latest cut. Vectorised over the start points (numpy), so a 500-point model splits into 100
+stages in tens of milliseconds. Reads numbers only; writes nothing.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Data for fine-tuning: tokenizers from model directories, local files through HF datasets, packing or padding, a deterministic resumable order.
+"""Data for fine-tuning: tokenizers from model directories, local files through HF datasets, packing or padding, a
+deterministic resumable order.
 
 ``load_tokenizer(dir)`` -> ``DataSpec(path, ...)`` -> ``TokenDataset(spec, tok, max_positions=...)`` ->
 ``Batches(ds, batch, seed)`` for training (``state_dict`` in the checkpoint) and ``eval_batches(ds, batch)``

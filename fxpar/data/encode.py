@@ -38,7 +38,8 @@ def _template_text(template) -> str:
     return template if isinstance(template, str) else " ".join(str(v) for v in dict(template).values())
 
 
-def encode_chat(tok, conversations: list[list[dict]], where, rows: list | None = None) -> list[tuple[list[int], list[int]]]:
+def encode_chat(tok, conversations: list[list[dict]], where,
+                rows: list | None = None) -> list[tuple[list[int], list[int]]]:
     """``(input_ids, labels)`` per conversation; labels -100 except on the assistant's tokens. ``rows``: how
     an error names each conversation (default its 1-based row number; a streamed reader gives byte offsets)."""
     if not getattr(tok, "chat_template", None):

@@ -214,7 +214,8 @@ class ShardReader:
             if not getattr(self.ds, "warned", False):  # once per dataset
                 self.ds.warned = True
                 warnings.warn(f"fxpar data {self.ds.spec.path}: documents longer than seq={seq} tokens are truncated "
-                              f"(reader {self.j}: first at byte {item[0]}; a longer --seq, or packing, keeps them whole)",
+                              f"(reader {self.j}: first at byte {item[0]}; "
+                              "a longer --seq, or packing, keeps them whole)",
                               stacklevel=4)
         return {"input_ids": ids[:k] + [self.ds.pad_id] * (seq - k), "labels": labels[:k] + [IGNORE] * (seq - k),
                 "attention_mask": [1] * k + [0] * (seq - k)}

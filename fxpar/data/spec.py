@@ -111,7 +111,8 @@ def diagnose(spec: DataSpec, builder: str, error: Exception) -> InputError:
     with open(spec.path, "rb") as f:
         blank = not any(raw.strip() for raw in f)  # stops at the first line with something on it
     if blank:
-        return InputError(f"data {spec.path}: the file holds no rows (every line is blank)", path=spec.path, fix=NO_ROWS)
+        return InputError(f"data {spec.path}: the file holds no rows (every line is blank)", path=spec.path,
+                          fix=NO_ROWS)
     if builder == "json":
         with open(spec.path, "rb") as f:
             lines = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"{"
@@ -127,7 +128,8 @@ def diagnose(spec: DataSpec, builder: str, error: Exception) -> InputError:
                 except ValueError as e:
                     where = f"line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else "it"
                     return InputError(f"data {spec.path}: not valid JSON at {where}: {getattr(e, 'msg', e)}",
-                                      path=spec.path, fix="fix the JSON there, or write JSON lines (one object per line)")
+                                      path=spec.path,
+                                      fix="fix the JSON there, or write JSON lines (one object per line)")
     cause = error
     while cause.__cause__ is not None or cause.__context__ is not None:
         cause = cause.__cause__ or cause.__context__
@@ -168,10 +170,12 @@ def _missing(spec: DataSpec, row, name: str, record: dict, kind: str) -> InputEr
     fixes = []
     if chats:
         fixes.append(f"its {chats[0]!r} field is a conversation (a list of {{role, content}} messages): read the "
-                     f"rows as chat with --messages-field {chats[0]}" + (" --format chat" if spec.format == "json" else ""))
+                     f"rows as chat with --messages-field {chats[0]}"
+                     + (" --format chat" if spec.format == "json" else ""))
     if texts:
         fixes.append(f"its text is in {texts[0]!r}: --field {texts[0]}" + (
-            " --format json" if kind == "chat" else "") + (f" (text fields: {', '.join(texts)})" if len(texts) > 1 else ""))
+            " --format json" if kind == "chat" else "")
+            + (f" (text fields: {', '.join(texts)})" if len(texts) > 1 else ""))
     if not fixes:
         fixes.append("none of its fields holds a text (a string) or a conversation (a list of {role, content} "
                      "messages): give a file whose rows do")

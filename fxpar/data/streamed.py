@@ -129,7 +129,8 @@ class StreamedDataset:
                 parts = _exchange(_take(own, batch // n, partial=True), world, n)
                 if all(rows["input_ids"].shape[0] == 0 for rows, _ in parts):
                     return
-                yield {k: torch.cat([t for rows, _ in parts for t in (rows[k], self.filler(batch // n - rows[k].shape[0])[k])])
+                yield {k: torch.cat([t for rows, _ in parts
+                                     for t in (rows[k], self.filler(batch // n - rows[k].shape[0])[k])])
                        for k in self.keys}
         finally:
             for r in own.values():
@@ -187,9 +188,11 @@ class StreamedBatches:
             self.positions = [dict(p) for p in state["positions"]]
         else:
             self.n = self.n or math.gcd(self.batch, self.world)
-            self.chunk, self.positions = L.chunk_bytes(self.ds.size, self.n), [initial_position() for _ in range(self.n)]
+            self.chunk, self.positions = (L.chunk_bytes(self.ds.size, self.n),
+                                          [initial_position() for _ in range(self.n)])
         if self.batch % self.n:
-            raise PlanError(f"data {self.ds.spec.path}: a batch of {self.batch} rows does not divide among {self.n} readers",
+            raise PlanError(f"data {self.ds.spec.path}: a batch of {self.batch} rows "
+                            f"does not divide among {self.n} readers",
                             fix="resume with the --batch the run was saved with")
         if self.own is not None:
             for r in self.own.values():
@@ -213,9 +216,11 @@ class StreamedBatches:
             if fresh:  # a whole epoch's share of some reader makes no batch
                 short = [j for j, (rows, _) in enumerate(parts) if rows is None]
                 raise PlanError(f"data {self.ds.spec.path}: {self.ds.size} bytes read by {self.n} readers make no "
-                                f"global batch: reader {short[0]}'s share gives fewer than {per} rows of seq={self.ds.seq}",
+                                f"global batch: reader {short[0]}'s share gives "
+                                f"fewer than {per} rows of seq={self.ds.seq}",
                                 values={"bytes": self.ds.size, "readers": self.n, "rows_per_reader": per},
-                                fix="give more data, a smaller --batch or --seq, or read the file whole with --streaming off")
+                                fix="give more data, a smaller --batch or --seq, "
+                                    "or read the file whole with --streaming off")
             self.epoch += 1  # a reader ran out: the epoch ends for every reader
             for r in self.own.values():
                 r.begin(self.epoch)

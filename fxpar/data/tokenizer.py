@@ -31,11 +31,12 @@ def load_tokenizer(model_dir, **kwargs):
                          "fxpar does not download tokenizers", path=model_dir, fix=hub_fix(str(model_dir)))
     if not path.is_dir():
         raise InputError(f"tokenizer: {path} is not a directory", path=path,
-                         fix="pass a model directory written by save_pretrained (config.json, weights, tokenizer files)")
+                         fix="pass a model directory written by save_pretrained "
+                             "(config.json, weights, tokenizer files)")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         have = sorted(p.name for p in path.iterdir())[:12]
-        raise PlanError(f"tokenizer: {path} holds no tokenizer files (looked for {', '.join(TOKENIZER_FILES[:3])}, ...; "
-                        f"it has {have})",
+        raise PlanError(f"tokenizer: {path} holds no tokenizer files "
+                        f"(looked for {', '.join(TOKENIZER_FILES[:3])}, ...; it has {have})",
                         fix="save the tokenizer next to the model: tokenizer.save_pretrained(model_dir)")
     from transformers import AutoTokenizer
 

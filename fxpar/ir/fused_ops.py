@@ -6,10 +6,11 @@ device and a Triton path on CUDA); as with the collectives of :mod:`fxpar.ir.ops
 these ops without importing the runtime, and a process that runs them imports it.
 
 * ``linear_cross_entropy(hidden [..., H], weight [Vs, H], labels [...], vocab_start, group, ignore_index,
-  chunk, reduce_grad_hidden) -> (loss [...], lse [...])`` (the tokens ``...`` in any leading shape): the cross-entropy of ``hidden @ weight.T``
-  over the whole vocabulary, ``weight`` being this rank's rows ``vocab_start ..`` of a head split over
-  ``group`` (None: one rank holds it all); the logits are never held whole (chunked over tokens, the
-  max / sum-exp reductions over ``group`` inside). ``loss`` is 0 where the label is ``ignore_index``.
+  chunk, reduce_grad_hidden) -> (loss [...], lse [...])`` (the tokens ``...`` in any leading shape): the
+  cross-entropy of ``hidden @ weight.T`` over the whole vocabulary, ``weight`` being this rank's rows
+  ``vocab_start ..`` of a head split over ``group`` (None: one rank holds it all); the logits are never held whole
+  (chunked over tokens, the max / sum-exp reductions over ``group`` inside). ``loss`` is 0 where the label is
+  ``ignore_index``.
   Backward: ``linear_cross_entropy_backward`` (recomputes each chunk's logits), giving ``dhidden`` and
   ``dweight``; ``dhidden`` is all-reduced over ``group`` inside when ``reduce_grad_hidden``, else left
   a partial sum for the graph's own reduction (the TP pass gives the hidden state Megatron's f).

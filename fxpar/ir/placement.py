@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["SHARDABLE", "WHY_KINDS", "WHY_UNUSED", "Partial", "Placement", "Replicate", "Shard", "ShardLayout", "TpResult",
-           "as_placement", "chunk_fits", "chunk_sizes", "chunk_start", "why_kind"]
+__all__ = ["SHARDABLE", "WHY_KINDS", "WHY_UNUSED", "Partial", "Placement", "Replicate", "Shard", "ShardLayout",
+           "TpResult", "as_placement", "chunk_fits", "chunk_sizes", "chunk_start", "why_kind"]
 
 # Why the TP pass left a parameter whole: each TpResult.replicated reason starts with one of these kinds.
 WHY_NO_PLAN = "no plan entry"  # no style reached it

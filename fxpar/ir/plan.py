@@ -114,8 +114,8 @@ class Plan:
         if self.mixed_precision not in (None, "bf16"):
             raise PlanError(f"Plan.mixed_precision={self.mixed_precision!r}: use 'bf16' or leave it out")
         if self.offload and self.zero not in (1, 2):
-            raise PlanError(f"offload keeps ZeRO-1/2's fp32 shards and optimizer states in CPU memory; zero={self.zero} "
-                            "has none to offload: use zero=1 or zero=2")
+            raise PlanError("offload keeps ZeRO-1/2's fp32 shards and optimizer states in CPU memory; "
+                            f"zero={self.zero} has none to offload: use zero=1 or zero=2")
         if self.prefetch < 0 or (self.bucket_mb is not None and self.bucket_mb < 0):
             raise PlanError(f"Plan.prefetch={self.prefetch!r}, bucket_mb={self.bucket_mb!r}: must be >= 0")
         if self.virtual_stages is not None and (not isinstance(self.virtual_stages, int) or self.virtual_stages < 1):

@@ -88,7 +88,8 @@ class RankPart:
             return hit[1]
         fwd = bwd = 0.0
         for f, b, act, weight, *out in self.nodes:
-            tf, tb = work_time(profile, f * batch, b * batch, act * batch + weight, out[0] * batch if out else 0.0, dtype)
+            tf, tb = work_time(profile, f * batch, b * batch, act * batch + weight, out[0] * batch if out else 0.0,
+                               dtype)
             fwd, bwd = fwd + tf, bwd + tb
         self._times[key] = (profile, (fwd, bwd))
         return fwd, bwd

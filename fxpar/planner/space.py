@@ -1,8 +1,8 @@
 """The plan space the planner searches: every ``dp x pp x tp = world`` factorisation the model allows, each
 with ZeRO 0-3 (with ZeRO, HSDP's ``dp_replicate`` where the dp group spans nodes:
 :func:`fxpar.planner.dp_groups.replica_options`), sequence parallelism (tp > 1), microbatch counts the
-global batch divides into, pipeline schedules with their virtual stages, and recompute policies. What cannot run is kept with its reason
-(``(what, reason)``), so the planner can say why a degree never appeared.
+global batch divides into, pipeline schedules with their virtual stages, and recompute policies. What cannot run
+is kept with its reason (``(what, reason)``), so the planner can say why a degree never appeared.
 """
 
 from __future__ import annotations

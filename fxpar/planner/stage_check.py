@@ -106,8 +106,8 @@ def _bubble(schedule: str, pp: int, m: int, n_stages: int, stage_to_rank, loads:
 def pipeline_warning(program: Program, cuts: list[tuple[str, str]], plan: Plan, setup,
                      profile: DeviceProfile, dtype: str = "fp32") -> str | None:
     """The warning for a pipeline whose stages are nearly empty (under :data:`EMPTY_SHARE` of the busiest
-    stage's forward + backward FLOPs) or whose bubble exceeds :data:`BUBBLE_LIMIT`: the numbers per stage and a better plan.
-    None for a sound pipeline (or none at all)."""
+    stage's forward + backward FLOPs) or whose bubble exceeds :data:`BUBBLE_LIMIT`: the numbers per stage and a
+    better plan. None for a sound pipeline (or none at all)."""
     if setup.n_stages < 2:
         return None
     loads = stage_loads(program, cuts, profile, dtype)
@@ -117,7 +117,8 @@ def pipeline_warning(program: Program, cuts: list[tuple[str, str]], plan: Plan, 
     if not empty and bubble <= BUBBLE_LIMIT:
         return None
     layers = decoder_layers(program)
-    head = (f"pipeline pp={plan.pp} ({setup.n_stages} stages, {setup.schedule}, {setup.microbatches} microbatch{'es' if setup.microbatches != 1 else ''}) "
+    head = (f"pipeline pp={plan.pp} ({setup.n_stages} stages, {setup.schedule}, "
+            f"{setup.microbatches} microbatch{'es' if setup.microbatches != 1 else ''}) "
             f"on {program.info.model_class} with {len(layers)} decoder layers: ")
     problems = []
     if empty:

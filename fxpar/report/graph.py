@@ -1,8 +1,10 @@
 """Readable graph printouts and DOT/SVG pictures with one cluster per module.
 
-Reads ``val``, ``fxpar.module``, ``fxpar.param`` and ``fxpar.cost``. A printout line reads::
+Reads ``val``, ``fxpar.module``, ``fxpar.param`` and ``fxpar.cost``. A printout line reads (one line, shown
+here in two)::
 
-    %linear = aten.linear(%mul_3, %model.layers.0.self_attn.q_proj.weight) -> f32[2, 8, 64]  # model.layers.0.self_attn.q_proj  16.38K FLOPs
+    %linear = aten.linear(%mul_3, %model.layers.0.self_attn.q_proj.weight) -> f32[2, 8, 64]
+        # model.layers.0.self_attn.q_proj  16.38K FLOPs
 
 Parameters are shown by FQN, not by placeholder name.
 """

@@ -1,1 +1,2 @@
-"""Fine-tuning as HF users expect it: optimizer groups, schedules, accumulation, evaluation, metrics, the loop behind fxpar train."""
+"""Fine-tuning as HF users expect it: optimizer groups, schedules, accumulation, evaluation, metrics, the loop
+behind fxpar train."""

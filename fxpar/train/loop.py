@@ -127,7 +127,8 @@ class FineTune:
         self.stream = self._stream(a.data, a.batch)
         self.eval_data = self._dataset(a.eval_data) if a.eval_data else None
         if a.eval_data and a.eval_every <= 0 and a.eval_every != -1:
-            raise PlanError(f"--eval-every {a.eval_every}: give a positive number of steps (-1: at the start and the end only)")
+            raise PlanError(f"--eval-every {a.eval_every}: give a positive number of steps "
+                            "(-1: at the start and the end only)")
         check_launch_world(plan)
         self.rank, self.world, self.device = init_distributed()  # the first step that talks to peers
         if self.resume is not None or self.resume_note:

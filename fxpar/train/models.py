@@ -1,5 +1,5 @@
-"""What ``fxpar inspect``, ``fxpar plan``, ``fxpar train`` and ``fxpar generate`` share: a model from a name or a config, and
-example inputs for it."""
+"""What ``fxpar inspect``, ``fxpar plan``, ``fxpar train`` and ``fxpar generate`` share: a model from a name or a
+config, and example inputs for it."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def resolve_model(spec: str) -> tuple[str, str | Path]:
         raise InputError(f"model {spec!r} is no local path: it looks like a Hugging Face hub id, and fxpar does not "
                          "download models (it reads a local save_pretrained directory)", path=spec, fix=hub_fix(spec))
     raise InputError(f"model {spec!r} is neither a zoo name nor an existing path (a save_pretrained directory or a "
-                     f"config.json)", path=spec, fix=f"give a model directory, a config.json or a zoo name: {zoo_names}")
+                     f"config.json)", path=spec,
+                     fix=f"give a model directory, a config.json or a zoo name: {zoo_names}")
 
 
 def model_directory(spec: str) -> Path | None:

@@ -2,8 +2,9 @@
 
 Reads: ``fxpar.module``, ``fxpar.param``, ``val``; the plan's styles (module FQN globs -> style).
 Writes: ``fxpar.placement`` (``(Shard(d),)``, ``(Replicate(),)``, ``(Partial(),)``) on every node,
-``fxpar.cost`` priced again on local shapes (a sharded op costs its shard), ``torch.ops.fxpar.*`` collective nodes, local sizes in view-like ops, and a per-rank :class:`Program`
-bound to this rank's shards (fresh Parameters holding slices of the model's tensors).
+``fxpar.cost`` priced again on local shapes (a sharded op costs its shard), ``torch.ops.fxpar.*`` collective
+nodes, local sizes in view-like ops, and a per-rank :class:`Program` bound to this rank's shards (fresh Parameters
+holding slices of the model's tensors).
 
 Rules (Megatron): a column-parallel linear shards its weight and bias by output features, takes a
 replicated input through ``identity_fwd_all_reduce_bwd`` (inserted once per input value) and yields

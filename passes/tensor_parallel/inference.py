@@ -118,7 +118,8 @@ def _moved(user: torch.fx.Node, src: torch.fx.Node, d: int, tp: int) -> int | No
     pkt, nd, no = packet(user), _ndim(src), _ndim(user)
     if pkt in RESHAPES:  # the same size: kept, divisible or not; split or merged: tp must divide both
         od = reshape_dim(_shape(src), _shape(user), d)
-        keeps = od is not None and (_shape(user)[od] == _shape(src)[d] or not (_shape(user)[od] % tp or _shape(src)[d] % tp))
+        keeps = od is not None and (_shape(user)[od] == _shape(src)[d]
+                                    or not (_shape(user)[od] % tp or _shape(src)[d] % tp))
         return od if keeps else None
     if pkt is aten.transpose:
         return transpose_map(user.args[1], user.args[2], nd)(d)

@@ -54,7 +54,8 @@ PIECE_UNITS: dict[object, Callable[[torch.fx.Node, int], int | None]] = {}
 
 # argument names of the split-like ops, to read them whether given by position or by keyword
 SPLIT_ARGS = {aten.chunk: ("self", "chunks", "dim"), aten.split: ("self", "split_size", "dim"),
-              aten.split_with_sizes: ("self", "split_sizes", "dim"), aten.slice: ("self", "dim", "start", "end", "step")}
+              aten.split_with_sizes: ("self", "split_sizes", "dim"),
+              aten.slice: ("self", "dim", "start", "end", "step")}
 
 
 def split_args(node: torch.fx.Node) -> dict:

@@ -87,7 +87,8 @@ def why_whole(program: Program, fqn: str, styles: dict[str, str], transposed: se
             what = f"fused pieces {segments[fqn]}" if fqn in segments else f"{shape[d]} {unit}"
             return f"{WHY_NOT_DIVISIBLE}: {what} along dim {d}, too few for a part on each of tp={tp} ranks"
         return f"{WHY_NOT_UNDERSTOOD}: style {style!r} on {shape} (dim {d}) left whole by the pass"
-    skipped = getattr(styles, "skipped", {})  # candidates the inference left whole: heads or features that do not divide
+    # candidates the inference left whole: heads or features that do not divide
+    skipped = getattr(styles, "skipped", {})
     why = next((skipped[m] for m in (n.rpartition(".")[0] for n in info.fqns) if m in skipped), None)
     if why is not None:
         return f"{WHY_NOT_DIVISIBLE}: {why}"

@@ -31,8 +31,8 @@ Where fxpar uses it (``Plan(comm_dtype="int8")``, kernels in :mod:`fxpar.runtime
 
 The torch path is plain tensor math on the packed fp32 shard; the Triton path packs (the pointer table of
 ``fxpar.runtime.kernels.buckets``), casts and quantizes one block per program in one launch, and its
-copy-out dequantizes while it scatters. Which path runs: :func:`fxpar.runtime.kernels.use_triton`. Inductor does not fuse a reduction per block with a
-multi-tensor gather and an int8 store into one kernel, hence these kernels.
+copy-out dequantizes while it scatters. Which path runs: :func:`fxpar.runtime.kernels.use_triton`. Inductor
+does not fuse a reduction per block with a multi-tensor gather and an int8 store into one kernel, hence these kernels.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from fxpar.passes.tensor_parallel.rules import (  # the families register their 
 from fxpar.passes.tensor_parallel.rules.pointwise import pointwise_or_gather
 from fxpar.passes.tensor_parallel.rules.registry import RULES, Rule, rule
 
-__all__ = ["RULES", "Rule", "attention", "cache", "conv", "embedding", "linear", "loss", "pointwise", "rule", "rule_for",
-           "ssm", "views"]
+__all__ = ["RULES", "Rule", "attention", "cache", "conv", "embedding", "linear", "loss", "pointwise", "rule",
+           "rule_for", "ssm", "views"]
 
 
 def rule_for(node: torch.fx.Node) -> Rule:

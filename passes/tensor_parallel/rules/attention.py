@@ -22,7 +22,8 @@ def attention(rw, old, args, kwargs):
     q, k, v = args[:3]
     if rw.shard_dim(q) == 1:  # keys/values replicated (fewer KV heads than ranks): take this rank's
         k, v = (_kv(rw, t, o) for t, o in zip((k, v), old.args[1:3]))
-    if rw.shard_dim(q) != 1 or not all(rw.shard_dim(t) == 1 or _one_head(rw, t, o) for t, o in zip((k, v), old.args[1:3])):
+    if rw.shard_dim(q) != 1 or not all(rw.shard_dim(t) == 1 or _one_head(rw, t, o)
+                                       for t, o in zip((k, v), old.args[1:3])):
         return pointwise_or_gather(rw, old, args, kwargs, force_gather=True)
     rest = list(args[3:])
     mask = rest[0] if rest else kwargs.get("attn_mask")

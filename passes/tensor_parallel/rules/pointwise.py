@@ -1,5 +1,6 @@
 """Rules for ops that keep a layout in place: pass-through ops, softmax and reductions over other dims
-(a sum or mean over the shard: a partial sum), and the fallback for every op without a rule: elementwise ops keep a shard, any other op is gathered."""
+(a sum or mean over the shard: a partial sum), and the fallback for every op without a rule: elementwise ops keep
+a shard, any other op is gathered."""
 
 from __future__ import annotations
 

@@ -62,7 +62,8 @@ def _split_uneven(rw, old, src, dst, d):
     module = (made if linear_weight(made)[0] is not None else old).meta.get(meta.MODULE) or "(root)"
     raise PlanError(f"{module}: its output reshaped by {old.name} from {src} into {dst} splits dim {d} ({src[d]}), "
                     f"which tp={rw.tp} does not divide, into groups (heads) that cannot be cut apart; use a tp "
-                    f"degree that divides {src[d]}, or keep {module} whole with --plan tp={rw.tp},tp_replicate={module} "
+                    f"degree that divides {src[d]}, or keep {module} whole with "
+                    f"--plan tp={rw.tp},tp_replicate={module} "
                     f"(in a plan file: tp_replicate = [\"{module}\"])")
 
 
