@@ -148,9 +148,9 @@ def grad_triton(x, tgt, lse, g_loss, g_lse, block: int | None = None):
 
 # Fewest tokens per chunk. Each chunk runs its own three matmuls with the chunk's tokens as one dimension
 # (the dW matmul's inner one); measured on an H100 (bf16, 4096 tokens, hidden 4096, vocabulary 128,256,
-# docs/benchmarks.md): 130-token chunks took 3.8x the time of the unfused loss, 512-token chunks 1.3x, one
-# chunk of all 4,096 1.3x, while the peak grew by 3%. The memory saved is the whole logits: a 512-token
-# chunk's is still 1/8 of them there.
+# docs/benchmarks.md "GPU checks"): 130-token chunks took 4.9x the unfused loss's time, 512-token chunks
+# 1.9x (1.65x with dW accumulated as below), one chunk of all 4,096 1.3x; against the 130-token chunks
+# the peak grew by 3% at 512 tokens and by 64% at 4,096. A 512-token chunk's logits are 1/8 of the whole.
 MIN_CHUNK_TOKENS = 512
 
 
@@ -172,7 +172,7 @@ def _accumulate_dw(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
         try:
             torch.addmm(dw, g.t(), h, out_dtype=torch.float32, out=dw)
             return
-        except (TypeError, RuntimeError, NotImplementedError):  # a torch without the mixed-dtype addmm
+        except (TypeError, NotImplementedError):  # a torch without the mixed-dtype addmm
             pass
     dw += torch.mm(g.t(), h)
 
