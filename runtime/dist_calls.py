@@ -1,8 +1,9 @@
 """The runtime's torch.distributed calls outside the IR's collective ops: the DP engine's bucket
 reductions, the loss's average, gradient norms, tied weights, gathering the full state, checkpoint
-transfers, and the small object gathers of set-up. With :mod:`fxpar.runtime.collectives` (the kernels of
-the ``torch.ops.fxpar.*`` ops) these are the only modules that call torch.distributed's collectives
-(``tests/test_layering.py`` checks it), so every collective of fxpar behaves alike:
+transfers, and the small object gathers of set-up. Besides this module only the kernels of fxpar's ops
+(:mod:`fxpar.runtime.collectives`, expert parallelism's, the collective matmuls'), which wrap their own
+calls alike, the pipeline's transfers and the calibration call torch.distributed's collectives
+(``tests/test_collective_calls.py`` checks it), so every collective of fxpar behaves alike:
 
 * a wait is bounded by the process group's timeout (``Work.wait()`` without an argument: gloo raises,
   NCCL's watchdog aborts), nothing waits for ever;
