@@ -96,6 +96,24 @@ def test_quantized_reduce_scatter_within_the_bound(pool2):
 
 # ---- training, graphs and byte counters ------------------------------------------------------------
 
+def _bytes_at_the_all_gathers(step) -> int:
+    """Bytes the all-gathers of ``step()`` receive, counted at torch.distributed's call (forward gathers and
+    backward regathers: whatever wire format the runtime chose)."""
+    from fxpar.runtime import collectives
+
+    real, seen = collectives._all_gather_single, []
+
+    def counting(out, inp, **kw):
+        seen.append(out.numel() * out.element_size())
+        return real(out, inp, **kw)
+    collectives._all_gather_single = counting
+    try:
+        step()
+    finally:
+        collectives._all_gather_single = real
+    return sum(seen)
+
+
 def _training(steps: int) -> dict:
     name = "llama"
     batch = zoo.example_inputs(name, zoo.tiny_config(name), batch=4, seq=16)
@@ -108,6 +126,7 @@ def _training(steps: int) -> dict:
         compiled = fxpar.compile(model, fxpar.Plan(dp=2, zero=3, mixed_precision="bf16", **extra),
                                  example_kwargs=batch, optimizer=adamw, timeout=60, program=program, weights=initial)
         losses = [compiled.step(**batch).item() for _ in range(steps)]
+        gathered = _bytes_at_the_all_gathers(lambda: compiled.step(**batch))  # one more step, counted
         graph = compiled.pipeline.stages[0].gm
         buckets = [b for bs in compiled.zero3_buckets.values() for b in bs]
         nodes = [n for n in graph.graph.nodes if fxops.collective_kind(n) == "gather_params"]
@@ -118,7 +137,7 @@ def _training(steps: int) -> dict:
                     # by hand: per bucket, 2 shards of int8 codes + 4-byte scales per block of 256, or bf16
                     "int8_bytes": sum(2 * (b.shard_numel + 4 * -(-b.shard_numel // 256)) for b in buckets),
                     "bf16_bytes": sum(2 * b.shard_numel * 2 for b in buckets),
-                    "weights": torch.cat([b.shard.detach().flatten() for b in buckets])}
+                    "weights": torch.cat([b.shard.detach().flatten() for b in buckets]), "gathered": gathered}
     dist.barrier()
     return out
 
@@ -137,6 +156,9 @@ def test_int8_gathers_train_within_2_percent_at_half_the_bytes(pool2):
             ratio = q["fwd"] / base["fwd"]
             assert abs(ratio - 0.5) <= 0.03 * 0.5, ratio  # int8 codes + fp32 scales against bf16
             assert abs(q["sent"] / base["sent"] - ratio) < 1e-3
+            # the same ratio where the bytes move: at the all-gather calls of a step (regathers included)
+            assert base["gathered"] > 0 and abs(q["gathered"] / base["gathered"] - 0.5) <= 0.03 * 0.5, \
+                (q["gathered"], base["gathered"])
             assert q["losses"] != base["losses"] and not torch.equal(q["weights"], base["weights"])
             drift = max(abs(a - b) / b for a, b in zip(q["losses"], base["losses"]))
             assert drift <= 0.02, (key, q["losses"], base["losses"])
