@@ -35,6 +35,7 @@ from fxpar.ir import wire
 from fxpar.ir.errors import CollectiveError, FxparError
 from fxpar.ir.ops import check_dim, check_reduce_op, shard_len
 from fxpar.ir.options import run_options
+from fxpar.runtime import dist_calls
 from fxpar.runtime.groups import resolve_group
 
 __all__ = ["all_gather_single", "observing_param_gathers", "set_shape_checks"]
@@ -85,29 +86,9 @@ def _backend_of(pg, device: torch.device) -> str:
 
 
 def _communicate(op: str, group: str, x: torch.Tensor, launch: Callable[[], object]) -> None:
-    """Start a collective (``launch`` returns its work handle) and wait for it. ``Work.wait()`` with no
-    argument waits at most the process group's timeout (gloo raises; NCCL's watchdog aborts the
-    communicator), so no call waits for ever. Errors name the op, group and shape."""
-    try:
-        work = launch()
-        if work is not None:
-            work.wait()
-    except RuntimeError as e:  # DistBackendError and gloo's timeouts are RuntimeErrors
-        raise CollectiveError(
-            f"the collective failed or timed out (input shape {tuple(x.shape)}, dtype {x.dtype}, "
-            f"rank {dist.get_rank()} of the world; one of the group's ranks {_group_ranks(group)} failed to "
-            f"arrive; the wait is bounded by the process group's timeout): {e}",
-            op=op, group=group, sizes=[tuple(x.shape)],
-        ) from e
-
-
-def _group_ranks(group: str) -> list[int]:
-    """The global ranks of group ``group`` (for messages; empty if they cannot be known here)."""
-    try:
-        pg = resolve_group(group)
-        return sorted(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
-    except Exception:
-        return []
+    """Start a collective (``launch`` returns its work handle) and wait for it, at most the process group's
+    timeout; a failure is a CollectiveError naming the op, group, ranks and shape (:func:`dist_calls.run`)."""
+    dist_calls.run(op, group, x, launch)
 
 
 def _cross_check(op: str, group: str, pg, x: torch.Tensor) -> None:
@@ -123,10 +104,10 @@ def _cross_check(op: str, group: str, pg, x: torch.Tensor) -> None:
                               op=op, group=group, sizes=[s[0] for s in seen])
 
 
-# all_gather_single / reduce_scatter_single are the names since torch 2.13; older releases (our floor
-# is 2.6) call them all_gather_into_tensor / reduce_scatter_tensor.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch's single-tensor all-gather / reduce-scatter under the installed release's names (module globals:
+# tests count the bytes at these calls by replacing them)
+_all_gather_single = dist_calls.ALL_GATHER_SINGLE
+_reduce_scatter_single = dist_calls.REDUCE_SCATTER_SINGLE
 all_gather_single = _all_gather_single  # torch's single-tensor all-gather under its current name
 
 

@@ -30,9 +30,10 @@ from fxpar.runtime.groups import resolve_group
 __all__ = ["Pending", "all_gather_into", "all_gather_list", "all_gather_object", "all_reduce", "barrier",
            "gather_object", "broadcast", "recv", "reduce_scatter_into", "send"]
 
-# torch 2.13 names the single-tensor all-gather / reduce-scatter *_single; older releases *_into_tensor / *_tensor
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# all_gather_single / reduce_scatter_single are the names since torch 2.13; older releases (our floor is
+# 2.6) call them all_gather_into_tensor / reduce_scatter_tensor. fxpar.runtime.collectives reads them here.
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -46,8 +47,10 @@ def _name(group) -> str:
     return "world" if group is None else f"process group of ranks {_ranks(group)}"
 
 
-def _ranks(pg) -> list[int]:
+def _ranks(group) -> list[int]:
+    """The global ranks of ``group`` (for messages: empty where they cannot be known here)."""
     try:
+        pg = _pg(group)
         return sorted(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
     except Exception:  # for a message only
         return []
@@ -57,9 +60,9 @@ def _failure(call: str, group, x, e: BaseException) -> CollectiveError:
     what = f"input shape {tuple(x.shape)}, dtype {x.dtype}" if isinstance(x, torch.Tensor) else "a Python object"
     rank = dist.get_rank() if dist.is_initialized() else 0
     return CollectiveError(
-        f"torch.distributed.{call} failed or timed out ({what}, rank {rank} of the world; one of the "
-        f"group's ranks {_ranks(_pg(group))} failed to arrive; the wait is bounded by the process group's "
-        f"timeout): {e}", op=call, group=_name(group), sizes=[tuple(x.shape)] if isinstance(x, torch.Tensor) else None)
+        f"the collective failed or timed out ({what}, rank {rank} of the world; one of the group's ranks "
+        f"{_ranks(group)} failed to arrive; the wait is bounded by the process group's timeout): {e}",
+        op=call, group=_name(group), sizes=[tuple(x.shape)] if isinstance(x, torch.Tensor) else None)
 
 
 class Pending:
@@ -80,7 +83,10 @@ class Pending:
             self.work = None
 
 
-def _run(call: str, group, x, launch: Callable[[], Any], async_op: bool) -> Pending | None:
+def run(call: str, group, x, launch: Callable[[], Any], async_op: bool = False) -> Pending | None:
+    """Start a call (``launch`` returns its work handle, or None once done) and, unless ``async_op``, wait
+    for it: the one way every collective of fxpar is started and waited for (the IR ops' kernels in
+    :mod:`fxpar.runtime.collectives` come through here too). ``call`` names it in errors."""
     try:
         work = launch()
     except RuntimeError as e:
@@ -94,44 +100,44 @@ def _run(call: str, group, x, launch: Callable[[], Any], async_op: bool) -> Pend
 
 def all_reduce(t: torch.Tensor, group=None, *, op: str = "sum", async_op: bool = False) -> Pending | None:
     """Reduce ``t`` in place over ``group`` ("sum", "max" or "min")."""
-    return _run("all_reduce", group, t, lambda: dist.all_reduce(t, op=_OPS[op], group=_pg(group), async_op=True),
+    return run("all_reduce", group, t, lambda: dist.all_reduce(t, op=_OPS[op], group=_pg(group), async_op=True),
                 async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group=None, *, async_op: bool = False) -> Pending | None:
     """Sum ``t`` over ``group`` and write this rank's ``1 / size`` of it into ``out``."""
-    return _run("reduce_scatter", group, t,
-                lambda: _REDUCE_SCATTER(out, t, group=_pg(group), async_op=True), async_op)
+    return run("reduce_scatter", group, t,
+                lambda: REDUCE_SCATTER_SINGLE(out, t, group=_pg(group), async_op=True), async_op)
 
 
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, group=None, *, async_op: bool = False) -> Pending | None:
     """Every rank's ``t`` of ``group``, back to back, into ``out``."""
-    return _run("all_gather", group, t, lambda: _ALL_GATHER(out, t, group=_pg(group), async_op=True), async_op)
+    return run("all_gather", group, t, lambda: ALL_GATHER_SINGLE(out, t, group=_pg(group), async_op=True), async_op)
 
 
 def all_gather_list(parts: list[torch.Tensor], t: torch.Tensor, group=None) -> None:
     """Every rank's ``t`` of ``group`` into ``parts`` (one tensor per rank, shapes may differ by rank)."""
-    _run("all_gather", group, t, lambda: dist.all_gather(parts, t, group=_pg(group), async_op=True), False)
+    run("all_gather", group, t, lambda: dist.all_gather(parts, t, group=_pg(group), async_op=True), False)
 
 
 def broadcast(t: torch.Tensor, src: int, group=None) -> None:
     """Rank ``src``'s (a global rank) ``t`` into every rank's ``t``."""
-    _run("broadcast", group, t, lambda: dist.broadcast(t, src, group=_pg(group), async_op=True), False)
+    run("broadcast", group, t, lambda: dist.broadcast(t, src, group=_pg(group), async_op=True), False)
 
 
 def send(t: torch.Tensor, dst: int) -> None:
     """``t`` to global rank ``dst`` (it waits until the transfer is done)."""
-    _run("send", None, t, lambda: dist.isend(t, dst), False)
+    run("send", None, t, lambda: dist.isend(t, dst), False)
 
 
 def recv(t: torch.Tensor, src: int) -> None:
     """Global rank ``src``'s message into ``t``."""
-    _run("recv", None, t, lambda: dist.irecv(t, src), False)
+    run("recv", None, t, lambda: dist.irecv(t, src), False)
 
 
 def barrier(group=None) -> None:
     """Wait until every rank of ``group`` is here."""
-    _run("barrier", group, None, lambda: dist.barrier(group=_pg(group), async_op=True), False)
+    run("barrier", group, None, lambda: dist.barrier(group=_pg(group), async_op=True), False)
 
 
 def all_gather_object(obj: Any, group=None) -> list[Any]:

@@ -90,7 +90,7 @@ def test_a_failing_call_is_a_collective_error(monkeypatch):
             raise RuntimeError("Connection closed by peer")
 
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: Work())
-    monkeypatch.setattr(dist_calls, "_ranks", lambda pg: [0, 1])
+    monkeypatch.setattr(dist_calls, "_ranks", lambda group: [0, 1])
     pending = dist_calls.all_reduce(torch.zeros(3, 2), "dp", async_op=True)
     with pytest.raises(CollectiveError,
                        match=r"all_reduce on group 'dp'.*shape \(3, 2\).*ranks \[0, 1\].*closed by peer"):
