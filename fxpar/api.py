@@ -30,11 +30,11 @@ from fxpar.ir.program import Program
 from fxpar.ir.schedule import build_schedule
 from fxpar.ir.stage import CompileResult
 from fxpar.passes.expert_parallel import expert_regions, router_load
-from fxpar.passes.lower_collectives import lower_collectives
 from fxpar.planner import feasibility
 from fxpar.planner.stage_check import warn_pipeline
 from fxpar.report.tp_coverage import warn_if_replicated
 from fxpar.runtime import liveness
+from fxpar.runtime.compile import compile_stage
 from fxpar.runtime.grad_norm import check_max_grad_norm
 from fxpar.runtime.groups import mesh_groups
 from fxpar.runtime.memtrack import trim_heap
@@ -63,13 +63,16 @@ def trace(model: torch.nn.Module, example_args: tuple = (), example_kwargs: dict
 
 
 class _Builder:
-    """Compiles one input signature for this rank: trace one microbatch, cut, run the passes, predict."""
+    """Compiles one input signature for this rank: trace one microbatch, cut, run the passes, predict.
+    The :class:`fxpar.ir.build.Build` the runtime reads; ``priced``: a build without process groups (one
+    only pricing its plan), whose pass list stops before Inductor."""
 
     def __init__(self, model, plan: Plan, mesh: MeshSpec, setup, actions, device, profile: DeviceProfile,
                  frontend: str, weights: WeightSource | None, groups: ParamGroups | None = None,
-                 shape: tuple[int, int] | PlanError | None = None):
+                 shape: tuple[int, int] | PlanError | None = None, priced: bool = False):
         self.model, self.plan, self.mesh, self.setup, self.actions = model, plan, mesh, setup, actions
         self.device, self.profile, self.frontend, self.weights = device, profile, frontend, weights
+        self.priced = priced
         self.shape = shape  # the example batch's (global batch, length), or why it has none
         self._estimate = None  # what estimate() priced (or the PlanError it raised), once read
         self.dtype = auto.compute_dtype(model, plan)  # what the roofline prices the cuts and stage times in
@@ -81,6 +84,16 @@ class _Builder:
 
     def _load(self, fqns, layout, like):
         return self.weights.load(fqns, layout, like)
+
+    @property
+    def ep(self):
+        """The expert-parallel pass's EpResult (None without ``Plan(ep=N)`` or before the first trace)."""
+        return self.shared.get("ep")
+
+    def predict_memory(self, trainable: int, states: int) -> dict:
+        """Parameter, gradient and optimizer-state bytes per rank (``fxpar.cost.memory.state_bytes``)."""
+        plan = self.plan
+        return state_bytes(trainable, plan.zero, plan.dp, states, plan.dp_replicate)
 
     def static_cache(self, batch: int, max_len: int):
         """A KV cache the model traces with (``CompiledModel.generate``), or None (fxpar.frontend.cache)."""
@@ -109,6 +122,9 @@ class _Builder:
             raise self._estimate
         return self._estimate
 
+    def _compile_stage(self, gm, *, stage: int, lower):
+        return compile_stage(gm, stage=stage, lower=lower, device=self.device)
+
     def setup_for(self, batch: int) -> feasibility.PipelineSetup:
         """The pipeline set-up for a global ``batch`` (checked: a PlanError before any communication)."""
         return self.setup if batch == self.setup.batch else feasibility.pipeline_setup(self.plan, batch)
@@ -135,7 +151,8 @@ class _Builder:
                                  load=self._load if self.weights is not None else None,
                                  load_flat=self.weights.load_flat if self.weights is not None else None,
                                  traced_on_meta=self.on_meta,
-                                 shared=self.shared, param_group=self.groups.index if self.groups else None)
+                                 shared=self.shared, param_group=self.groups.index if self.groups else None,
+                                 compile_stage=None if self.priced else self._compile_stage)
         local, pipeline = passes.run(program, ctx)
         if not self.coverage_checked and self.mesh.rank == 0:  # a plan leaving big weights whole says so once
             self.coverage_checked = True
@@ -147,7 +164,8 @@ class _Builder:
         feasibility.check_zero3_ties(plan, feasibility.tied_across_ranks(pipeline, setup.stage_to_rank))
         # priced on this rank's program: after TP its nodes cost their shards (the TP pass prices them)
         predicted = annotate_stages(local, pipeline, self.cuts, self.profile, self.dtype)
-        return CompileResult(program, local, pipeline, ctx.out.tp, ctx.out.zero3_buckets, predicted, ctx.out.timings)
+        return CompileResult(program, local, pipeline, ctx.out.tp, ctx.out.zero3_buckets, predicted, ctx.out.timings,
+                             ctx.out.stage_fns)
 
 
 def _world() -> tuple[int, int]:
@@ -258,7 +276,7 @@ def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), ex
                       profile=profile, frontend=frontend, timeout=run_options().timeout, program=None,
                       weights=weights, dry=True,
                       groups=ParamGroups.from_rule(model, param_groups) if param_groups is not None else None)
-    if plan.ep > 1 and not priced._build.on_meta:  # the experts' load the example batch gives (ep.stats)
+    if plan.ep > 1 and not priced.build.on_meta:  # the experts' load the example batch gives (ep.stats)
         priced.ep.set_load(_expert_load(priced, example_args, example_kwargs))
     return priced
 
@@ -294,16 +312,14 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
         shape = auto.example_shape(example_args, example_kwargs)
     except PlanError as e:
         shape = e
-    builder = _Builder(model, plan, mesh, setup, actions, device, profile, frontend, source, groups, shape)
+    builder = _Builder(model, plan, mesh, setup, actions, device, profile, frontend, source, groups, shape,
+                       priced=dry)
     if plan.ep > 1:  # the experts are found on the first trace, checked before any communication
         program = _check_experts(builder, plan, flat, example_args, example_kwargs, program, weights)
     dp_axis = "dp_shard" if plan.zero else "dp_replicate"
     device_mesh = None if dry or mesh.world_size == 1 else mesh_groups(mesh, device.type, dp_axis)  # communicates
-    return CompiledModel(builder, model, plan, mesh, setup, actions, example_args, example_kwargs, optimizer,
+    return CompiledModel(builder, model, plan, mesh, actions, example_args, example_kwargs, optimizer,
                          device=device, timeout=timeout, device_mesh=device_mesh, program=program, dry=dry,
-                         predict_memory=lambda n, states: state_bytes(n, plan.zero, plan.dp, states,
-                                                                     plan.dp_replicate),
-                         lower_collectives=lower_collectives,  # for Plan(compile=True); runtime never imports passes
                          max_grad_norm=max_grad_norm, param_groups=groups)
 
 

@@ -21,6 +21,7 @@ from fxpar.passes.collective_matmul import collective_matmul
 from fxpar.passes.drop_dtype_asserts import drop_dtype_asserts
 from fxpar.passes.expert_parallel import expert_parallel
 from fxpar.passes.fused_loss import fuse_loss
+from fxpar.passes.lower_collectives import lower_collectives
 from fxpar.passes.materialize_weights import materialize_weights
 from fxpar.passes.pipeline_split import loss_position, split_pipeline
 from fxpar.passes.recompute import recompute
@@ -78,6 +79,13 @@ def _zero3(stage, ctx: PassContext):
     return stage
 
 
+def _inductor(stage, ctx: PassContext):
+    """``Plan(compile=True)`` on this device: the stage's callable through ``torch.compile`` (Inductor compiles
+    it on its first call), fxpar's collectives lowered to torch's functional collectives inside it."""
+    ctx.out.stage_fns[stage.index] = ctx.compile_stage(stage.gm, stage=stage.index, lower=lower_collectives)
+    return stage
+
+
 def _load_flat(ctx: PassContext):
     """The zero3 pass's reader: entries of a meta parameter's TP shard, from the weights (``ctx.load_flat``)."""
     def load(fqn: str, like: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -124,6 +132,9 @@ STAGE_PASSES = (  # StageSpec -> StageSpec, only the stages this rank runs, pass
     # (weights land on the stage's get_attr targets) and zero3 (each bucket's gather moves into the one
     # layer reading it, so backward regathers it by recomputing instead of holding the gathered bucket)
     Pass("recompute", recompute, when=lambda c: c.plan.recompute != "none"),
+    # last: Inductor compiles the graph every pass above left (a build without process groups, one only
+    # pricing its plan, has no ``compile_stage``)
+    Pass("inductor", _inductor, when=lambda c: c.compile_stage is not None and c.plan.compiles_on(c.device)),
 )
 
 

@@ -45,6 +45,7 @@ class PassOutputs:
     zero3_buckets: dict[int, list] = field(default_factory=dict)  # stage -> its ZeRO-3 buckets
     timings: list[tuple[str, float]] = field(default_factory=list)  # (pass, seconds) in the order run
     fused_losses: list[str] = field(default_factory=list)  # loss nodes the fused_loss pass rewrote
+    stage_fns: dict[int, Callable] = field(default_factory=dict)  # stage -> its compiled callable (inductor pass)
 
 
 @dataclass
@@ -66,6 +67,9 @@ class PassContext:
     load_flat: Callable | None = None
     traced_on_meta: bool = False
     param_group: Callable | None = None  # FQN -> its optimizer parameter group (ZeRO-3 buckets never mix)
+    # (gm, stage index) -> a callable running it through Inductor, fxpar's collectives lowered for it
+    # (``fxpar.runtime.compile.compile_stage``: it needs this rank's process groups); None: never compiled
+    compile_stage: Callable | None = None
     shared: dict = field(default_factory=dict)
     # FXPAR_DISABLE_PASSES and FXPAR_DUMP_DIR (fxpar.ir.options) unless given
     disabled: frozenset[str] = field(default_factory=lambda: run_options().disabled_passes)

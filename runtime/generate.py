@@ -139,10 +139,9 @@ class KVCacheRunner:
     @classmethod
     def make(cls, compiled, window: dict):
         """A runner for this plan and model, or None (pipeline or data parallel, or no static cache)."""
-        make_cache = getattr(compiled._build, "static_cache", None)
-        if make_cache is None or compiled.plan.pp > 1 or compiled.dp * compiled.m > 1 or "use_cache" not in window:
+        if compiled.plan.pp > 1 or compiled.dp * compiled.m > 1 or "use_cache" not in window:
             return None
-        cache = make_cache(*window["input_ids"].shape)
+        cache = compiled.build.static_cache(*window["input_ids"].shape)
         return None if cache is None else cls(compiled, window, cache)
 
     def __call__(self, ids: torch.Tensor, start: int) -> torch.Tensor:

@@ -4,8 +4,9 @@ It composes small parts: the batch cut into microbatches (``fxpar.ir.batch``), t
 the data-parallel engine (DDP / ZeRO-1/2) or ZeRO-3's regathering (``fxpar.runtime.zero3``), the tied
 gradients (``fxpar.runtime.tied``), the global gradient-norm clipping between the gradients' sync and
 the optimizer step (``fxpar.runtime.grad_norm``) and the full-state gathering (``fxpar.runtime.state``).
-What to run comes from ``build``, a callback of ``fxpar.compile`` that traces one input signature and
-runs the pass list on it: one :class:`~fxpar.ir.stage.CompileResult` per signature, cached on the
+What to run comes from ``build`` (:class:`fxpar.ir.build.Build`, made by ``fxpar.compile``), which traces one
+input signature and runs the pass list on it, Inductor included: one :class:`~fxpar.ir.stage.CompileResult` per
+signature, cached on the
 pytree structure *and* every tensor's shape and dtype (``fxpar.runtime.programs``), so a graph traced
 for one shape never runs on another; each microbatch is checked against its program's traced shapes
 as well.
@@ -17,12 +18,11 @@ labels), so no input travels.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch.utils import _pytree as pytree
 
 from fxpar.ir.batch import batch_size, check_shapes, loss_weights, split_batch
+from fxpar.ir.build import Build
 from fxpar.ir.errors import PlanError
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.optim import ParamGroups, make_optimizer, state_count
@@ -30,7 +30,6 @@ from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.stage import CompileResult, PipelineProgram
 from fxpar.runtime import dist_calls
-from fxpar.runtime.compile import compile_enabled, compile_stage
 from fxpar.runtime.data_parallel import DataParallelEngine, held_bytes
 from fxpar.runtime.expert_parallel import ExpertParallelRecord
 from fxpar.runtime.generate import generate
@@ -48,11 +47,11 @@ STEP_HEAP_SLACK = 64 * 2**20  # a step gives the heap's free pages back once the
 
 class CompiledModel:
     """A model compiled for one plan, on this rank. See :func:`fxpar.compile`."""
-    def __init__(self, build: Callable, model: torch.nn.Module, plan: Plan, mesh: MeshSpec, setup, actions,
+    def __init__(self, build: Build, model: torch.nn.Module, plan: Plan, mesh: MeshSpec, actions,
                  example_args, example_kwargs, optimizer, *, device: torch.device, timeout: float,
-                 device_mesh=None, program: Program | None = None, predict_memory: Callable | None = None,
-                 dry: bool = False, lower_collectives: Callable | None = None,
+                 device_mesh=None, program: Program | None = None, dry: bool = False,
                  max_grad_norm: float | None = None, param_groups: ParamGroups | None = None):
+        setup = build.setup
         self.model, self.plan, self.spec, self.setup = model, plan, mesh, setup
         self.mesh = device_mesh  # torch's DeviceMesh (None on one rank, or when only pricing the plan)
         self.world, self.rank = mesh.world_size, mesh.rank
@@ -62,14 +61,14 @@ class CompiledModel:
         self.device, self.timeout, self.dry = device, timeout, dry
         self.schedule_name, self.schedule, self.m = setup.schedule, actions, setup.microbatches
         self.stage_to_rank = list(setup.stage_to_rank)
-        self._build, self._predict_memory, self._lower = build, predict_memory, lower_collectives
+        self.build = build  # compiles each signature (fxpar.ir.build.Build); the runtime reads nothing else of it
         self.steps = 0  # training steps run
         self.programs = ProgramCache(build, build.setup_for, self._runtime)  # one per input shapes
         self._train = self.programs.get(example_args, example_kwargs, program)[0]
         self._tied_groups = make_tied_groups(self._train.pipeline, mesh, self.stage_to_rank, create=not dry)
         named = self._my_named_parameters(self._train.pipeline)
         # Plan(ep=N): what the EP pass cut, the last step's all-to-all bytes and experts' loads
-        self.ep = ExpertParallelRecord(getattr(build, "shared", {}).get("ep"), self._train.program)
+        self.ep = ExpertParallelRecord(build.ep, self._train.program)
         self.engine, self.optimizer = make_engine(named, optimizer, param_groups, self._train, plan, mesh,
                                                   overlap=not self._tied_groups, experts=self.ep.expert_ids)
         self.clipper = make_clipper(max_grad_norm, self._train, mesh, named, self.engine, device,
@@ -77,10 +76,7 @@ class CompiledModel:
 
     # ---- building ----------------------------------------------------------------------------------
     def _runtime(self, result: CompileResult) -> PipelineRuntime:
-        stage_fns = None
-        if compile_enabled(self.plan.compile, self.device) and not self.dry:  # Plan.compile: through Inductor
-            stage_fns = {s.index: compile_stage(s.gm, stage=s.index, lower=self._lower, device=self.device)
-                         for s in result.pipeline.stages_of(self.pp_rank)}
+        stage_fns = result.stage_fns or None  # Plan.compile: what the inductor pass made of this rank's stages
         return PipelineRuntime(
             result.pipeline, self.schedule, self.pp_rank, self.spec.pipeline_ranks(), None, self.device, self.timeout,
             forward_context=Zero3Regather if self.plan.zero == 3 else None,
@@ -209,7 +205,7 @@ class CompiledModel:
         program, n = self._train.program, 0
         for s in self._train.pipeline.stages_of(self.pp_rank):  # trainable tensors of each stage, whole
             n += sum(t.numel() for t in {id(t): t for t in map(program.tensor, s.params) if t.requires_grad}.values())
-        out = {"predicted": self._predict_memory(n, state_count(self.optimizer)) if self._predict_memory else {}}
+        out = {"predicted": self.build.predict_memory(n, state_count(self.optimizer))}
         measured = None if self.dry else self.engine.memory() if self.engine is not None else held_bytes(
             [p for _, p in self._my_named_parameters(self._train.pipeline)], self.optimizer)
         if measured is not None and self.steps:
@@ -219,7 +215,7 @@ class CompiledModel:
     @property
     def cuts(self) -> list[tuple[str, str]]:
         """The pipeline cuts (chosen on the first trace, kept for every later signature)."""
-        return self._build.cuts
+        return self.build.cuts
 
     @property
     def pipeline(self) -> PipelineProgram:
@@ -241,7 +237,7 @@ class CompiledModel:
 
     @property
     def predicted(self):  # fxpar.price's Estimate of the plan for the example batch, priced on first read
-        return self._build.estimate()
+        return self.build.estimate()
 
     @property
     def zero3_buckets(self) -> dict[int, list]:

@@ -107,3 +107,5 @@ class CompileResult:
     zero3_buckets: dict[int, list] = field(default_factory=dict)  # stage -> its ZeRO-3 buckets
     predicted: dict = field(default_factory=dict)  # the profile the stage times are for (fxpar.cost.predict)
     timings: list[tuple[str, float]] = field(default_factory=list)  # (pass, seconds) in the order run
+    # stage index -> what runs it instead of its GraphModule (the ``inductor`` pass; empty when eager)
+    stage_fns: dict[int, object] = field(default_factory=dict)

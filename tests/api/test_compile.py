@@ -62,3 +62,18 @@ def test_plan_command_dumps_every_pass_that_ran(tmp_path):
             assert (tmp_path / f"{i:02d}-{name}{stage}.{when}.txt").stat().st_size > 0
     assert "fxpar.all_reduce" in (tmp_path / "01-tensor_parallel.after.txt").read_text()
     assert "fxpar.all_reduce" not in (tmp_path / "01-tensor_parallel.before.txt").read_text()
+
+
+def test_inductor_is_the_last_pass_of_the_list_and_the_runtime_runs_what_it_made(tmp_path, monkeypatch):
+    """Plan(compile=True): the pass runner runs (times, dumps) Inductor as the pass list's last entry; the
+    runtime calls the stage callables that pass made, and compiles nothing itself. Nothing runs: cheap."""
+    monkeypatch.setenv("FXPAR_DUMP_DIR", str(tmp_path))  # fxpar.ir.options reads it per distinct environment
+    batch = zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=2, seq=8)
+    compiled = fxpar.compile(zoo.build("llama", seed=0), "compile=1", example_kwargs=batch, optimizer=sgd)
+    ran = [name for name, _ in compiled.result.timings]
+    assert ran == ["pipeline_split", "drop_dtype_asserts", "inductor"], ran
+    assert sorted(compiled.result.stage_fns) == [0]
+    dumps = sorted(p.name for p in tmp_path.iterdir() if "inductor" in p.name)
+    assert dumps == ["03-inductor.stage0.after.txt", "03-inductor.stage0.before.txt"], dumps
+    runtime = compiled.programs.get((), batch)[1]
+    assert runtime.stage_fns[0] is compiled.result.stage_fns[0]

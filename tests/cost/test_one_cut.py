@@ -34,6 +34,6 @@ def test_compile_cuts_where_the_planner_prices_its_stages(name, config, device, 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # stages nearly empty: the tiny model's pipeline warning
             built = dry_build(model, plan, example_kwargs=batch, profile=device)
-        cuts = [m for m, where in built._build.cuts if where == "beginning"]
+        cuts = [m for m, where in built.cuts if where == "beginning"]
         assert len(cuts) == plan.pp - 1
         assert pricer.plan_cuts(plan) == cuts, f"{name} {text} on {device}"
