@@ -26,6 +26,7 @@ from fxpar.ir.build import Build
 from fxpar.ir.errors import PlanError
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.optim import ParamGroups, make_optimizer, state_count
+from fxpar.ir.options import run_options
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.stage import CompileResult, PipelineProgram
@@ -42,7 +43,7 @@ from fxpar.runtime.state import canonical_names, full_state_dict
 from fxpar.runtime.tied import make_tied_groups, sum_tied_grads
 from fxpar.runtime.zero3 import Zero3Gatherer, Zero3Regather
 
-STEP_HEAP_SLACK = 64 * 2**20  # a step gives the heap's free pages back once they pass this (memtrack.trim_heap)
+STEP_HEAP_SLACK = 64 * 2**20  # FXPAR_TRIM_STEP: a step gives the heap's free pages back past this (memtrack.trim_heap)
 
 
 class CompiledModel:
@@ -146,7 +147,8 @@ class CompiledModel:
             work.wait()
         self.ep.finish()
         self.steps += 1
-        trim_heap(STEP_HEAP_SLACK)  # the step's freed activations and buckets go back to the system
+        if run_options().trim_step:  # FXPAR_TRIM_STEP: the freed activations and buckets go back to the system
+            trim_heap(STEP_HEAP_SLACK)
         return loss
 
     @guarded("an inference forward")
