@@ -49,13 +49,8 @@ from fxpar.ir.op_classes import (
 )
 from fxpar.ir.placement import chunk_fits
 from fxpar.ir.program import Program
-from fxpar.passes.tensor_parallel.layouts import (
-    linear_weight,
-    packed_segments,
-    reshape_dim,
-    split_dim,
-    transpose_map,
-)
+from fxpar.passes.tensor_parallel.dim_moves import moved
+from fxpar.passes.tensor_parallel.layouts import linear_weight, packed_segments, split_dim
 from fxpar.passes.tensor_parallel.packing import find_packing
 
 aten = torch.ops.aten
@@ -114,37 +109,14 @@ class _Graph:
 
 
 def _moved(user: torch.fx.Node, src: torch.fx.Node, d: int, tp: int) -> int | None:
-    """The dim a shard of ``src`` at ``d`` lands on in ``user`` (a view-like op), or None (lost or gathered)."""
-    pkt, nd, no = packet(user), _ndim(src), _ndim(user)
-    if pkt in RESHAPES:  # the same size: kept, divisible or not; split or merged: tp must divide both
-        od = reshape_dim(_shape(src), _shape(user), d)
-        keeps = od is not None and (_shape(user)[od] == _shape(src)[d]
-                                    or not (_shape(user)[od] % tp or _shape(src)[d] % tp))
-        return od if keeps else None
-    if pkt is aten.transpose:
-        return transpose_map(user.args[1], user.args[2], nd)(d)
-    if pkt in (aten.t, aten.numpy_T):
-        return nd - 1 - d
-    if pkt is aten.permute:
-        return [p % nd for p in user.args[1]].index(d)
-    if pkt is aten.unsqueeze:
-        return d + 1 if d >= user.args[1] % no else d
-    if pkt is aten.squeeze:
-        dims = user.args[1] if len(user.args) > 1 else [i for i, s in enumerate(_shape(src)) if s == 1]
-        dims = [x % nd for x in ([dims] if isinstance(dims, int) else dims)]
-        return None if d in dims else d - sum(x < d for x in dims)
-    if pkt in (aten.expand, aten.broadcast_to):
-        return d + no - nd
-    if pkt is aten.flatten:
-        start = (user.args[1] if len(user.args) > 1 else 0) % nd
-        end = (user.args[2] if len(user.args) > 2 else -1) % nd
-        return None if start < d <= end else d - (end - start) if d > end else d
-    if pkt in (aten.slice, aten.select):
-        dim = (user.args[1] if len(user.args) > 1 else 0) % nd
-        if dim == d:
-            return None
-        return d - 1 if pkt is aten.select and dim < d else d
-    return None
+    """The dim a shard of ``src`` at ``d`` lands on in ``user`` (a view-like op, :mod:`.dim_moves`), or None
+    (lost or gathered). A reshape keeps it at the same size, divisible or not; split or merged, tp must
+    divide both sizes."""
+    od = moved(user, d)
+    if od is None or packet(user) not in RESHAPES:
+        return od
+    keeps = _shape(user)[od] == _shape(src)[d] or not (_shape(user)[od] % tp or _shape(src)[d] % tp)
+    return od if keeps else None
 
 
 class _Walk:

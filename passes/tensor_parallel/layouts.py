@@ -1,5 +1,5 @@
 """Layout analysis for the tensor-parallel pass: which weights are fused or transposed, and where a
-shard goes through a reshape.
+split cuts.
 
 Reads: ``fxpar.param``, ``val`` of the traced graph. Writes nothing: pure functions of the graph.
 
@@ -8,12 +8,11 @@ Reads: ``fxpar.param``, ``val`` of the traced graph. Writes nothing: pure functi
 * :func:`conv1d_weights`: the weights an ``addmm`` reads as ``[in, out]``;
 * :func:`packed_segments`: fused projections (``[q; k; v]``, ``[gate; up]``, multi-query ``[q | k | v]``
   with k and v whole), cut part by part (found by :mod:`.packing`);
-* :func:`reshape_dim`, :func:`transpose_map`, :func:`split_dim`, :func:`slice_bounds`: dim arithmetic.
+* :func:`split_dim`, :func:`slice_bounds`: where a split cuts (where a dim goes through a view:
+  :mod:`.dim_moves`).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.fx
@@ -74,23 +73,3 @@ def packed_segments(program: Program, tp: int) -> tuple[dict, dict]:
     sizes along the cut dim, parameter FQN -> piece sizes along its output features)."""
     packing = find_packing(program, tp, linear_weight)
     return {n: list(f.pieces) for n, f in packing.cuts.items()}, packing.params
-
-
-def transpose_map(a: int, b: int, nd: int):
-    """Where ``transpose(a, b)`` moves each dim of an ``nd``-dim tensor."""
-    a, b = a % nd, b % nd
-    return lambda d: b if d == a else a if d == b else d
-
-
-def reshape_dim(src: tuple, dst: tuple, d: int) -> int | None:
-    """The dim of ``dst`` that starts where ``src`` dim d starts (so it carries the leading part of a
-    shard of d), or None when no dim of ``dst`` starts there."""
-    before = math.prod(src[:d])
-    acc = 1
-    for i, s in enumerate(dst):
-        if acc == before and s != 1:
-            return i if (src[d] % s == 0 or s % src[d] == 0) else None
-        acc *= s
-        if acc > before:
-            return None
-    return None

@@ -45,6 +45,7 @@ from fxpar.ir.op_classes import (
 )
 from fxpar.ir.placement import chunk_fits, chunk_sizes
 from fxpar.ir.program import Program
+from fxpar.passes.tensor_parallel.dim_moves import moved
 
 aten = torch.ops.aten
 
@@ -152,34 +153,14 @@ def _val(node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
-def _moved(user: torch.fx.Node, d: int, nd_in: int) -> int | None:
-    """Where a dim-moving op puts input dim ``d``."""
-    pkt, nd = packet(user), _val(user).dim()
-    if pkt is aten.transpose:
-        a, b = user.args[1] % nd, user.args[2] % nd
-        return b if d == a else a if d == b else d
-    if pkt is aten.permute:
-        return [p % nd for p in user.args[1]].index(d)
-    if pkt is aten.unsqueeze:
-        return d + 1 if d >= user.args[1] % nd else d
-    if pkt in (aten.t, aten.numpy_T):
-        return nd - 1 - d
-    return d + nd - nd_in  # expand
-
-
-def _reshaped(src: tuple, dst: tuple, d: int, scale: int) -> tuple[int, int] | None:
-    """Where a reshape puts dim ``d`` of ``src`` (``scale`` features per index): (dst dim, its scale),
-    when that dim starts where d does and its indices are whole features groups; else None."""
-    before = math.prod(src[:d])
-    acc = 1
-    for i, s in enumerate(dst):
-        if acc == before and s != 1:
-            total = src[d] * scale
-            return (i, total // s) if total % s == 0 and (s % src[d] == 0 or src[d] % s == 0) else None
-        acc *= s
-        if acc > before:
-            return None
-    return None
+def _reshaped(user: torch.fx.Node, d: int, scale: int) -> tuple[int, int] | None:
+    """Where reshape ``user`` puts dim ``d`` of its input (``scale`` features per index): (dim, its scale),
+    when that dim starts where d does (:mod:`.dim_moves`) and its indices are whole features groups; else None."""
+    od = moved(user, d)
+    if od is None:
+        return None
+    total, s = _val(user.args[0]).shape[d] * scale, _val(user).shape[od]
+    return (od, total // s) if total % s == 0 else None
 
 
 class _Walk:
@@ -217,9 +198,9 @@ class _Walk:
                                                       and len(user.all_input_nodes) == 1):
             return d, scale
         elif pkt in DIM_MOVES and user.args[0] is src:
-            return _moved(user, d, sv.dim()), scale
+            return moved(user, d), scale
         elif pkt in RESHAPES:
-            got = _reshaped(tuple(sv.shape), tuple(uv.shape), d, scale)
+            got = _reshaped(user, d, scale)
             if got is None:
                 self.ok = False
             return got
@@ -315,9 +296,9 @@ def _unit(node: torch.fx.Node, d: int, n: int, seen: set, linear_like: Callable)
         elif pkt in PASS_THROUGH or (user.op == "call_function" and is_pointwise(user)):
             unit = math.lcm(unit, _unit(user, d + uv.dim() - nd, n, seen, linear_like))
         elif pkt in DIM_MOVES and user.args[0] is node:
-            unit = math.lcm(unit, _unit(user, _moved(user, d, nd), n, seen, linear_like))
+            unit = math.lcm(unit, _unit(user, moved(user, d), n, seen, linear_like))
         elif pkt in RESHAPES:
-            got = _reshaped(tuple(_val(node).shape), tuple(uv.shape), d, 1)
+            got = _reshaped(user, d, 1)
             if got is not None and uv.shape[got[0]] == n:
                 unit = math.lcm(unit, _unit(user, got[0], n, seen, linear_like))
             elif got is not None and uv.shape[got[0]] < n:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from fxpar.ir import meta
 from fxpar.ir.op_classes import VIEW_OPS, VIEWS_AND_CASTS, packet
 from fxpar.ir.placement import Partial, as_placement
+from fxpar.passes.tensor_parallel.dim_moves import moved
 from fxpar.passes.tensor_parallel.rules.pointwise import pointwise_or_gather
 from fxpar.passes.tensor_parallel.rules.registry import rule
 
@@ -70,10 +70,10 @@ def select(rw, old, args, kwargs):
     d = rw.shard_dim(args[0])
     if d is None:
         return pointwise_or_gather(rw, old, args, kwargs)
-    dim = old.args[1] % rw.ndim(old.args[0])
-    if dim == d:
+    od = moved(old, d)
+    if od is None:
         return pointwise_or_gather(rw, old, args, kwargs, force_gather=True)
-    return rw.call(old.target, args, kwargs, like=old, place=as_placement(d - 1 if d > dim else d))
+    return rw.call(old.target, args, kwargs, like=old, place=as_placement(od))
 
 
 @rule(aten.squeeze)
@@ -82,13 +82,10 @@ def squeeze(rw, old, args, kwargs):
     d = rw.shard_dim(args[0])
     if d is None:
         return pointwise_or_gather(rw, old, args, kwargs)
-    shape = tuple(old.args[0].meta[meta.VAL].shape)
-    given = old.args[1] if len(old.args) > 1 else kwargs.get("dim", range(len(shape)))
-    given = [given] if isinstance(given, int) else list(given)
-    gone = {g % len(shape) for g in given if shape[g % len(shape)] == 1}
-    if d in gone:
+    od = moved(old, d)
+    if od is None:
         return pointwise_or_gather(rw, old, args, kwargs, force_gather=True)
-    return rw.call(old.target, args, kwargs, like=old, place=as_placement(d - sum(g < d for g in gone)))
+    return rw.call(old.target, args, kwargs, like=old, place=as_placement(od))
 
 
 @rule(aten.stack)

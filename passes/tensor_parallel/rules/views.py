@@ -13,14 +13,8 @@ from fxpar.ir.errors import PlanError
 from fxpar.ir.function_op import is_function_node
 from fxpar.ir.op_classes import RESHAPES, SPLITS, packet
 from fxpar.ir.placement import Replicate, as_placement
-from fxpar.passes.tensor_parallel.layouts import (
-    linear_weight,
-    reshape_dim,
-    slice_bounds,
-    split_args,
-    split_dim,
-    transpose_map,
-)
+from fxpar.passes.tensor_parallel.dim_moves import moved
+from fxpar.passes.tensor_parallel.layouts import linear_weight, slice_bounds, split_args, split_dim
 from fxpar.passes.tensor_parallel.rules.fused import whole_piece
 from fxpar.passes.tensor_parallel.rules.pointwise import pointwise_or_gather
 from fxpar.passes.tensor_parallel.rules.registry import rule
@@ -37,7 +31,7 @@ def view(rw, old, args, kwargs):
         return rw.call(old.target, args, kwargs, like=old)
     src = tuple(old.args[0].meta[meta.VAL].shape)
     dst = tuple(old.meta[meta.VAL].shape)
-    od = reshape_dim(src, dst, d)
+    od = moved(old, d)
     fused = rw.packing.values.get(old)  # a fused value with whole pieces: its local size from them
     local = sum(fused.local(rw.tp, rw.rank)) if fused is not None and od == fused.dim else None
     if od is not None and local is None and dst[od] < src[d] and rw.uneven(old.args[0], d) is not None:
@@ -67,30 +61,10 @@ def _split_uneven(rw, old, src, dst, d):
                     f"(in a plan file: tp_replicate = [\"{module}\"])")
 
 
-@rule(aten.transpose)
-def transpose(rw, old, args, kwargs):
-    """The shard moves with its dim."""
-    return rw.keep(old, args, kwargs, transpose_map(old.args[1], old.args[2], rw.ndim(old)))
-
-
-@rule(aten.numpy_T, aten.t)
-def t(rw, old, args, kwargs):
-    """Every dim reversed: the shard with it."""
-    return rw.keep(old, args, kwargs, lambda d: rw.ndim(old) - 1 - d)
-
-
-@rule(aten.permute)
-def permute(rw, old, args, kwargs):
-    """The shard moves to where the permutation puts its dim."""
-    perm = [p % rw.ndim(old) for p in old.args[1]]
-    return rw.keep(old, args, kwargs, lambda d: perm.index(d))
-
-
-@rule(aten.unsqueeze)
-def unsqueeze(rw, old, args, kwargs):
-    """A shard at or after the new dim moves one right."""
-    u = old.args[1] % rw.ndim(old)
-    return rw.keep(old, args, kwargs, lambda d: d + 1 if d >= u else d)
+@rule(aten.transpose, aten.numpy_T, aten.t, aten.permute, aten.unsqueeze)
+def moves(rw, old, args, kwargs):
+    """Dims reordered, or one added: the shard moves with its dim (:mod:`..dim_moves`)."""
+    return rw.keep(old, args, kwargs, lambda d: moved(old, d))
 
 
 @rule(aten.flatten)
@@ -99,12 +73,10 @@ def flatten(rw, old, args, kwargs):
     d = rw.shard_dim(args[0])
     if d is None:
         return rw.call(old.target, args, kwargs, like=old)
-    nd = rw.ndim(old.args[0])
-    start = (args[1] if len(args) > 1 else 0) % nd
-    end = (args[2] if len(args) > 2 else -1) % nd
-    if start < d <= end:
+    od = moved(old, d)
+    if od is None:
         return rw.call(old.target, (rw.replicate(args[0], old.args[0]), *args[1:]), kwargs, like=old)
-    return rw.call(old.target, args, kwargs, like=old, place=as_placement(d - (end - start) if d > end else d))
+    return rw.call(old.target, args, kwargs, like=old, place=as_placement(od))
 
 
 @rule(aten.expand, aten.broadcast_to)
@@ -113,7 +85,7 @@ def expand(rw, old, args, kwargs):
     x = args[0]
     if rw.shard_dim(x) is None:
         return pointwise_or_gather(rw, old, args, kwargs)
-    d = rw.shard_dim(x) + rw.ndim(old) - rw.ndim(old.args[0])
+    d = moved(old, rw.shard_dim(x))
     sizes = list(args[1])
     if sizes[d] not in (-1, 1):
         sizes[d] = rw.local_size(sizes[d])
