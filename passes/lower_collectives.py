@@ -44,6 +44,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from fxpar.ir.collectives import collective
 from fxpar.ir.ops import collective_kind
 
 __all__ = ["GroupRef", "Resolver", "lower_collectives"]
@@ -78,9 +79,9 @@ def lower_collectives(graph: torch.fx.Graph, resolve: Resolver) -> int:
 
 
 def _comm_dtype(node: torch.fx.Node, kind: str):
-    """The ``comm_dtype`` of a ``gather_params`` (5th argument) or ``reduce_scatter`` (4th: the
-    gradient of a gather with ``"int8+grads"``) node; None for every other op."""
-    at = {"gather_params": 4, "reduce_scatter": 3}.get(kind)
+    """The ``comm_dtype`` of a node whose op's record has one (``gather_params``' 5th argument,
+    ``reduce_scatter``'s 4th: the gradient of a gather with ``"int8+grads"``); None for every other op."""
+    at = collective(kind).comm_dtype_arg
     if at is None:
         return None
     return node.args[at] if len(node.args) > at else node.kwargs.get("comm_dtype")
@@ -126,13 +127,14 @@ class _Lowering:
         return new
 
     def run(self, kind: str, resolve: Resolver) -> None:
-        node, graph = self.node, self.graph
+        """Lower the node by its op's record (:class:`fxpar.ir.collectives.Collective`: ``lowering``, ``cast_arg``)."""
+        node, graph, rec = self.node, self.graph, collective(kind)
         x, group = node.args[0], node.args[1]
         ref = resolve(group)
-        if kind == "identity_fwd_all_reduce_bwd":
+        if rec.lowering == "identity":
             self.replace(self._copy(x) if self.to_output else x)
             return
-        if kind == "scatter_slice":
+        if rec.lowering == "slice":
             dim = self._dim(x, node.args[2])
             n, r = (1, 0) if ref is None else ref[1:]
             with graph.inserting_before(node):
@@ -140,19 +142,18 @@ class _Lowering:
                 out = self.call(aten.clone.default, self.call(aten.slice.Tensor, x, dim, r * k, (r + 1) * k))
             self.replace(out)
             return
-        if kind == "gather_params":
-            dtype = node.args[3] if len(node.args) > 3 else node.kwargs.get("dtype")
+        if rec.cast_arg is not None:
+            dtype = node.args[rec.cast_arg] if len(node.args) > rec.cast_arg else node.kwargs.get("dtype")
             if dtype is not None:
                 with graph.inserting_before(node):
                     x = self.call(prims.convert_element_type.default, x, dtype)
-            kind = "all_gather"
         if ref is None:
             with graph.inserting_before(node):
                 self.replace(self._copy(x))
             return
         pg, n, _ = ref
         f = _funcol()
-        if kind == "all_reduce":
+        if rec.lowering == "all_reduce":
             op = node.args[2] if len(node.args) > 2 else node.kwargs.get("op", "sum")
             with graph.inserting_before(node):
                 started = self.call(f.all_reduce.default, x, "sum" if op == "avg" else op, pg)
@@ -160,7 +161,7 @@ class _Lowering:
                 out = self.call(f.wait_tensor.default, started)
                 if op == "avg":
                     out = self.call(aten.div.Tensor, out, n)
-        elif kind in ("all_gather", "all_gather_rs_bwd"):
+        elif rec.lowering == "all_gather_into_tensor":
             dim = self._dim(x, node.args[2])
             with graph.inserting_before(node):
                 started = self.call(f.all_gather_into_tensor.default, x, n, pg)
@@ -170,7 +171,7 @@ class _Lowering:
                     blocks = self.call(aten.split.Tensor, out, x.meta["val"].shape[0], 0)
                     parts = [self.call(operator.getitem, blocks, i) for i in range(n)]
                     out = self.call(aten.cat.default, parts, dim)
-        elif kind == "reduce_scatter":
+        elif rec.lowering == "reduce_scatter_tensor":
             dim = self._dim(x, node.args[2])
             with graph.inserting_before(node):
                 if dim != 0:
@@ -180,7 +181,7 @@ class _Lowering:
                 started = self.call(f.reduce_scatter_tensor.default, x, "sum", n, pg)
             with graph.inserting_before(self.first_user):
                 out = self.call(f.wait_tensor.default, started)
-        else:  # a new fxpar op this pass does not know: leave it (it still runs, opaquely)
+        else:  # a lowering this pass does not know: leave the node (it still runs, opaquely)
             return
         self.replace(out)
 

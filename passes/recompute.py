@@ -56,14 +56,13 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
 from fxpar.ir.op_classes import PRODUCT_KERNELS
-from fxpar.ir.schedule import normalize_schedule
+from fxpar.ir.schedule import SPLIT_BACKWARD, schedule_record  # noqa: F401 (SPLIT_BACKWARD: read by fxpar.planner.feasibility)
 from fxpar.ir.stage import StageSpec
 
 __all__ = ["Recomputed", "layer_units", "policy", "recompute", "saved_op", "unit_of"]
 
 _INDEX = re.compile(r"^\d+$")
 _NOT_SAVED_COLLECTIVES = ("gather_params",)  # ZeRO-3 regathers instead of holding the bucket
-SPLIT_BACKWARD = ("zbv", "interleaved_zb")  # schedules whose backward is two autograd passes (I, then W)
 
 
 def saved_op(func) -> bool:
@@ -216,7 +215,7 @@ def recompute(stage: StageSpec, ctx) -> StageSpec:
     mode = ctx.plan.recompute
     if mode not in ("layer", "selective"):
         return stage
-    if mode == "selective" and normalize_schedule(ctx.plan.schedule) in SPLIT_BACKWARD:
+    if mode == "selective" and schedule_record(ctx.plan.schedule).split_backward:
         raise PlanError(f"recompute='selective' with schedule {ctx.plan.schedule!r}: zero-bubble schedules run "
                         "each stage's backward in two passes (input gradients, then weight gradients), and "
                         "torch's selective checkpoint allows one backward through a region; use "

@@ -10,6 +10,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from fxpar.ir.schedule import stages_per_rank
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "interleaved_zb")
 
 
@@ -53,7 +55,7 @@ def pipeline_actions(*, quick: bool = False, schedules=SCHEDULES) -> dict:
                              (dist.recv(buf, 0), dist.send(buf, 0)), seconds)) / 2
     out = {}
     for schedule in schedules[:2] if quick else schedules:
-        v = 2 if schedule in ("interleaved_1f1b", "zbv", "interleaved_zb") else 1
+        v = stages_per_rank(schedule, None)
         step_s, actions = {}, {}
         for m in (2, 8):
             batch = zoo.example_inputs("llama", cfg, batch=m, seq=8)

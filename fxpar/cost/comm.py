@@ -8,9 +8,10 @@ report and a planner can price a plan for any world on one process.
 
 * :func:`collective_bytes` gives raw payload bytes (the full, unsharded tensor each collective works
   on), :func:`collective_events` the same per node with the module it belongs to;
-* :data:`RING` is the one collective table (ring steps and the share of the full tensor each rank sends,
-  per kind): :func:`ring_bytes` / :func:`collective_ring_bytes` / :func:`sent_bytes` turn payloads into
-  what each rank sends with it, and :meth:`fxpar.cost.profiles.DeviceProfile.collective_time` times them;
+* :data:`RING` is the ring table (ring steps and the share of the full tensor each rank sends, per
+  kind), read from the records of :mod:`fxpar.ir.collectives` as :data:`COMMS` is: :func:`ring_bytes` /
+  :func:`collective_ring_bytes` / :func:`sent_bytes` turn payloads into what each rank sends with it,
+  and :meth:`fxpar.cost.profiles.DeviceProfile.collective_time` times them;
 * :func:`step_collectives`, :func:`data_parallel_collectives` and :func:`pipeline_transfers` give one
   training step's communication per rank: the graph's collectives (TP, ZeRO-3) times the microbatches,
   the data-parallel engine's gradient reduction and parameter gathering, the pipeline's sends.
@@ -30,6 +31,8 @@ import torch
 import torch.fx
 
 from fxpar.ir import meta
+from fxpar.ir.collectives import COLLECTIVES, collective
+from fxpar.ir.collectives import COMMS as COMM_RECORDS
 from fxpar.ir.errors import FxparError
 from fxpar.ir.numeric import nbytes
 from fxpar.ir.ops import COLLECTIVE_OPS, collective_nodes, group_size
@@ -39,16 +42,10 @@ __all__ = ["COMMS", "KINDS", "RING", "collective_bytes", "collective_events", "c
            "data_parallel_collectives", "payloads", "pipeline_transfers", "ring", "ring_bytes", "sent_bytes",
            "step_collectives"]
 
-# The one collective table, ring algorithms on n ranks: (steps of latency, and the share of the full
-# tensor's bytes each rank sends as numerator, denominator). Every byte and time formula reads it.
-RING = {
-    "all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1), n),
-    "all_gather": lambda n: (n - 1, n - 1, n),
-    "reduce_scatter": lambda n: (n - 1, n - 1, n),
-    "all_to_all": lambda n: (n - 1, n - 1, n),
-    "broadcast": lambda n: (n - 1, n - 1, n),
-    "send": lambda n: (1, 1, 1),
-}
+# The ring table, read from the records of fxpar.ir.collectives (ring algorithms on n ranks: steps of
+# latency, and the share of the full tensor's bytes each rank sends as numerator, denominator). Every byte
+# and time formula reads it.
+RING = {name: c.ring for name, c in COMM_RECORDS.items()}
 KINDS = tuple(RING)
 
 
@@ -57,18 +54,10 @@ def ring(kind: str, n: int) -> tuple[int, float]:
     steps, num, den = RING[kind](n)
     return steps, num / den
 
-# op -> (communication its forward does, communication its backward does); None: no communication.
+# op -> (communication its forward does, communication its backward does, "+"-joined); None: no
+# communication. From each op's record (fxpar.ir.collectives.COLLECTIVES).
 COMMS: dict[str, tuple[str | None, str | None]] = {
-    "all_reduce": ("all_reduce", None),
-    "identity_fwd_all_reduce_bwd": (None, "all_reduce"),
-    "all_gather": ("all_gather", None),
-    "all_gather_rs_bwd": ("all_gather", "reduce_scatter"),
-    "reduce_scatter": ("reduce_scatter", "all_gather"),
-    "scatter_slice": (None, "all_gather"),
-    # ZeRO-3: gathered for forward, gathered again for backward (fxpar.runtime.zero3), gradient
-    # reduce-scattered: its backward payload counts twice
-    "gather_params": ("all_gather", "all_gather+reduce_scatter"),
-}
+    name: ("+".join(c.forward) or None, "+".join(c.backward) or None) for name, c in COLLECTIVES.items()}
 
 
 def _node_arg(node: torch.fx.Node, index: int, name: str):
@@ -91,9 +80,10 @@ def _full_bytes(kind: str, node: torch.fx.Node) -> int:
     if in_b is not None and out_b is not None:
         return max(in_b, out_b)
     n = group_size(_node_arg(node, 1, "group"))
+    shape = collective(kind).shape
     if in_b is not None:
-        return in_b * n if kind in ("all_gather", "all_gather_rs_bwd", "gather_params") else in_b
-    return out_b * n if kind in ("reduce_scatter", "scatter_slice") else out_b
+        return in_b * n if shape == "gather" else in_b
+    return out_b * n if shape == "scatter" else out_b
 
 
 def _val(node) -> torch.Tensor | None:

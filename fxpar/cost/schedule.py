@@ -29,6 +29,7 @@ from fxpar.ir.schedule import (
     build_schedule,
     dependencies,
     normalize_schedule,
+    schedule_record,
     stage_to_rank,
     stages_per_rank,
 )
@@ -40,9 +41,7 @@ __all__ = ["EXACT_LIMIT", "closed_form", "critical_path", "makespan", "moments",
 
 
 def n_actions(schedule: str, pp: int, m: int, v: int) -> int:
-    name = normalize_schedule(schedule)
-    per = 3 if name in ("zbv", "interleaved_zb") else 2
-    return per * pp * v * m
+    return schedule_record(schedule).actions_per_microbatch * pp * v * m
 
 
 @lru_cache(maxsize=256)
@@ -167,7 +166,7 @@ def closed_form(schedule: str, pp: int, m: int, v: int, f: list[float], b: list[
         wr[r] += w[s]
     top = max(per)
     mean = sum(per) / pp
-    hops = 2 * (pp * v - 1) - (1 if name == "zbv" else 0) * 2  # the V's turn stays on one rank
+    hops = 2 * (pp * v - 1) - (2 if schedule_record(name).placement == "v" else 0)  # the V's turn stays on one rank
     if name == "gpipe":
         fill = (pp - 1) * mean
         hops = 2 * (pp - 1)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from fxpar.ir.collectives import COLLECTIVES, collective, fused_collectives
 from fxpar.ir.errors import CollectiveError, FxparError
 from fxpar.ir.wire import GATHER_COMM_DTYPES, REDUCE_SCATTER_COMM_DTYPES, check_comm_dtype
 
@@ -65,21 +66,13 @@ __all__ = [
     "set_group_size_resolver",
 ]
 
-# Every op of the namespace, in a fixed order (the keys of count_collectives and the byte counts).
-COLLECTIVE_OPS = (
-    "all_reduce",
-    "identity_fwd_all_reduce_bwd",
-    "all_gather",
-    "all_gather_rs_bwd",
-    "reduce_scatter",
-    "scatter_slice",
-    "gather_params",
-)
+# Every op of the namespace, in a fixed order (the keys of count_collectives and the byte counts):
+# one record each in fxpar.ir.collectives
+COLLECTIVE_OPS = tuple(COLLECTIVES)
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 # fused kernels that run one of these ops inside (fxpar.ir.collective_matmul_ops): counted as that op
-FUSED_COLLECTIVES = {"fxpar_kernels::all_gather_linear": "all_gather_rs_bwd",
-                     "fxpar_kernels::linear_reduce_scatter": "reduce_scatter"}
+FUSED_COLLECTIVES = fused_collectives()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -258,49 +251,48 @@ def _resized(x: torch.Tensor, dim: int, size) -> torch.Tensor:
     return x.new_empty(shape)
 
 
+def _shaped(op: str, x: torch.Tensor, group: str, dim: int | None = None) -> torch.Tensor:
+    """The output of op ``op`` on ``x`` by its record's shape rule (:class:`fxpar.ir.collectives.Collective`)."""
+    shape = collective(op).shape
+    if shape == "same":
+        return x.new_empty(x.shape)
+    d = check_dim(op, group, x, dim)
+    n = _fake_size(op, group)
+    return _resized(x, d, x.shape[d] * n if shape == "gather" else shard_len(op, group, x, d, n))
+
+
 @all_reduce.register_fake
 def _all_reduce_fake(x, group, op="sum"):
     check_reduce_op("all_reduce", group, op, x)
-    return x.new_empty(x.shape)
+    return _shaped("all_reduce", x, group)
 
 
 @identity_fwd_all_reduce_bwd.register_fake
 def _identity_fake(x, group):
-    return x.new_empty(x.shape)
+    return _shaped("identity_fwd_all_reduce_bwd", x, group)
 
 
-def _gather_fake(op: str):
+def _fake(op: str):
     def fake(x, group, dim):
-        d = check_dim(op, group, x, dim)
-        return _resized(x, d, x.shape[d] * _fake_size(op, group))
+        return _shaped(op, x, group, dim)
     return fake
 
 
-all_gather.register_fake(_gather_fake("all_gather"))
-all_gather_rs_bwd.register_fake(_gather_fake("all_gather_rs_bwd"))
+for _op in ("all_gather", "all_gather_rs_bwd", "scatter_slice"):
+    torch.library.register_fake(f"fxpar::{_op}", _fake(_op))
 
 
 @gather_params.register_fake
 def _gather_params_fake(x, group, dim, dtype=None, comm_dtype=None):
     check_comm_dtype("gather_params", group, comm_dtype, GATHER_COMM_DTYPES)
-    out = _gather_fake("gather_params")(x, group, dim)
+    out = _shaped("gather_params", x, group, dim)
     return out if dtype is None else out.to(dtype)
-
-
-def _scatter_fake(op: str):
-    def fake(x, group, dim):
-        d = check_dim(op, group, x, dim)
-        return _resized(x, d, shard_len(op, group, x, d, _fake_size(op, group)))
-    return fake
 
 
 @reduce_scatter.register_fake
 def _reduce_scatter_fake(x, group, dim, comm_dtype=None):
     check_comm_dtype("reduce_scatter", group, comm_dtype, REDUCE_SCATTER_COMM_DTYPES)
-    return _scatter_fake("reduce_scatter")(x, group, dim)
-
-
-scatter_slice.register_fake(_scatter_fake("scatter_slice"))
+    return _shaped("reduce_scatter", x, group, dim)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,20 +6,15 @@ listed; fxpar's pipeline runtime routes activations and gradients between any tw
 no send/receive actions and no idle slots.
 
 Design decisions:
-- gpipe and 1f1b are generated here (one stage per rank, loop placement). torch's ``Schedule1F1B`` refuses
-  ``n_microbatches < pp``, which fxpar accepts (the warm-up shrinks), and both orders are a few lines.
-- interleaved_1f1b, interleaved_zb and zbv are taken from torch.distributed.pipelining's own schedule
-  classes: their ``pipeline_order`` is computed for every rank in ``__init__`` from nothing but the stage
-  objects' indices and group size, so a small stand-in stage object (no process group, no module) is enough.
-  Only F/B/I/W are kept; idle slots (``None``) and communication actions are dropped. The import is lazy,
-  so gpipe/1f1b work where torch.distributed is unavailable.
-- ``build_schedule`` validates the inputs first (``validate``) and checks every order it returns for
-  completeness and, with ``simulate``, for deadlock, so a torch version that changes its generators cannot
-  hand the runtime an order that hangs.
-- The module is pure (no process group, no device): the runtime executes these orders, the cost model and
-  the planner price them, and the feasibility checks call ``validate``; so it sits in ``ir`` where all of
-  them can import it. ``simulate`` stays beside the generators because ``build_schedule`` uses it to
-  prove every order deadlock-free.
+- One :class:`Schedule` record per schedule (:data:`SCHEDULE_RECORDS`): a new schedule is one entry.
+- gpipe and 1f1b are generated here: torch's ``Schedule1F1B`` refuses ``n_microbatches < pp``, which fxpar
+  accepts (the warm-up shrinks). The others take the ``pipeline_order`` of their torch class, computed in
+  ``__init__`` from the stage objects' indices and group size alone, so a stand-in stage (no process group,
+  no module) is enough; only F/B/I/W are kept. The import is lazy (gpipe/1f1b need no torch.distributed).
+- ``build_schedule`` validates its inputs and checks every order it returns for completeness and, with
+  ``simulate``, for deadlock, so a torch version that changes its generators cannot hand the runtime an order
+  that hangs. The module is pure (no process group, no device), so it sits in ``ir``: the runtime executes
+  these orders, the cost model and the planner price them, the feasibility checks call ``validate``.
 """
 
 from __future__ import annotations
@@ -30,28 +25,47 @@ from dataclasses import dataclass, field
 from fxpar.ir.errors import PlanError
 
 KINDS: tuple[str, ...] = ("F", "B", "I", "W")
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "interleaved_zb")
-SPLIT_BACKWARD = frozenset({"zbv", "interleaved_zb"})  # schedules whose backward runs as I and W actions
 
-_ALIASES = {
-    "gpipe": "gpipe",
-    "1f1b": "1f1b",
-    "onefoneb": "1f1b",
-    "interleaved1f1b": "interleaved_1f1b",
-    "interleaved": "interleaved_1f1b",
-    "zbv": "zbv",
-    "zbvzerobubble": "zbv",
-    "zerobubblev": "zbv",
-    "interleavedzb": "interleaved_zb",
-    "interleavedzerobubble": "interleaved_zb",
-    "zb1p": "interleaved_zb",
-}
-# schedules whose order comes from a torch class, and the class name
-_TORCH_CLASS = {
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "interleaved_zb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-}
+
+@dataclass(frozen=True)
+class Schedule:
+    """One pipeline schedule. ``stages``: stages per rank if fixed, else None (any; default 2); ``placement``:
+    ``"loop"`` (stage s on rank s % pp) or ``"v"`` (down the ranks and back up); ``split_backward``: backward
+    runs as I and W actions (two autograd passes); ``torch_class``: the torch.distributed.pipelining class
+    whose ``pipeline_order`` it takes (None: generated here); ``aliases``: other spellings (lower case, no
+    separators); ``searched``: whether the planner's search tries it."""
+
+    name: str
+    stages: int | None
+    placement: str = "loop"
+    split_backward: bool = False
+    torch_class: str | None = None
+    aliases: tuple[str, ...] = ()
+    searched: bool = True
+
+    @property
+    def actions_per_microbatch(self) -> int:  # compute actions per stage and microbatch: F, B or F, I, W
+        return 3 if self.split_backward else 2
+
+
+# The one table of schedules (read by build_schedule, the recompute pass, the cost model, the planner's search)
+SCHEDULE_RECORDS: dict[str, Schedule] = {s.name: s for s in (
+    Schedule("gpipe", 1),
+    Schedule("1f1b", 1, aliases=("onefoneb",)),
+    Schedule("interleaved_1f1b", None, torch_class="ScheduleInterleaved1F1B", aliases=("interleaved",)),
+    Schedule("zbv", 2, placement="v", split_backward=True, torch_class="ScheduleZBVZeroBubble",
+             aliases=("zbvzerobubble", "zerobubblev")),
+    Schedule("interleaved_zb", None, split_backward=True, torch_class="ScheduleInterleavedZeroBubble",
+             aliases=("interleavedzerobubble", "zb1p")),
+)}
+SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_RECORDS)
+SPLIT_BACKWARD = frozenset(s.name for s in SCHEDULE_RECORDS.values() if s.split_backward)
+_ALIASES = {key: s.name for s in SCHEDULE_RECORDS.values() for key in (s.name.replace("_", ""), *s.aliases)}
+
+
+def schedule_record(name: str) -> Schedule:
+    """The record of schedule ``name`` (any spelling :func:`normalize_schedule` takes)."""
+    return SCHEDULE_RECORDS[normalize_schedule(name)]
 
 
 @dataclass(frozen=True)
@@ -95,16 +109,17 @@ def stages_per_rank(schedule: str, virtual: int | None) -> int:
     name = normalize_schedule(schedule)
     if virtual is not None and (not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1):
         raise PlanError(f"schedule {name!r}: stages per rank must be an int >= 1, got {virtual!r}")
-    if name in ("gpipe", "1f1b"):
+    fixed = SCHEDULE_RECORDS[name].stages
+    if fixed == 1:
         if virtual not in (None, 1):
             raise PlanError(f"schedule {name!r} runs one stage per rank, got {virtual} stages per rank; "
                             f"use 'interleaved_1f1b' or 'interleaved_zb' for several stages per rank")
         return 1
-    if name == "zbv":
-        if virtual not in (None, 2):
-            raise PlanError(f"schedule 'zbv' needs exactly 2 stages per rank (a V), got {virtual}; "
+    if fixed is not None:
+        if virtual not in (None, fixed):
+            raise PlanError(f"schedule {name!r} needs exactly {fixed} stages per rank (a V), got {virtual}; "
                             f"use 'interleaved_zb' for another number of stages per rank")
-        return 2
+        return fixed
     return 2 if virtual is None else virtual
 
 
@@ -120,7 +135,7 @@ def stage_to_rank(schedule: str, pp: int, n_stages: int) -> list[int]:
     if n_stages % pp:
         raise PlanError(f"schedule {name!r}: n_stages={n_stages} is not a multiple of pp={pp}; "
                         f"every rank must hold the same number of stages")
-    if name != "zbv":
+    if SCHEDULE_RECORDS[name].placement != "v":
         return [s % pp for s in range(n_stages)]
     # V: stages go down the ranks in even chunks and back up in odd chunks
     return [s % pp if (s // pp) % 2 == 0 else pp - 1 - s % pp for s in range(n_stages)]
@@ -147,13 +162,14 @@ def validate(schedule: str, pp: int, n_microbatches: int, n_stages: int | None) 
         n_stages = pp * stages_per_rank(name, None) if isinstance(pp, int) else pp
     _check_ints(name, pp=pp, n_microbatches=n_microbatches, n_stages=n_stages)
     where = f"schedule {name!r} with pp={pp}, n_microbatches={n_microbatches}, n_stages={n_stages}"
-    if name in ("gpipe", "1f1b"):
+    rec = SCHEDULE_RECORDS[name]
+    if rec.stages == 1:
         if n_stages != pp:
             raise PlanError(f"{where}: {name} runs exactly one stage per rank, so n_stages must equal pp "
                             f"({pp}); set n_stages={pp}, or use 'interleaved_1f1b' for "
                             f"{n_stages / pp:g} stages per rank")
         return
-    if name == "zbv":
+    if rec.placement == "v":
         if n_stages != 2 * pp:
             raise PlanError(f"{where}: zbv places exactly 2 stages per rank in a V, so n_stages must be "
                             f"2*pp = {2 * pp}; set n_stages={2 * pp}, or use 'interleaved_zb'")
@@ -179,10 +195,8 @@ def build_schedule(schedule: str, pp: int, n_microbatches: int,
     validate(name, pp, n_microbatches, n_stages)
     if n_stages is None:
         n_stages = pp * stages_per_rank(name, None)
-    if name == "gpipe":
-        order = _gpipe(pp, n_microbatches)
-    elif name == "1f1b":
-        order = _one_f_one_b(pp, n_microbatches)
+    if SCHEDULE_RECORDS[name].torch_class is None:
+        order = _GENERATED[name](pp, n_microbatches)
     else:
         order = _from_torch(name, pp, n_microbatches, n_stages)
     placement = stage_to_rank(name, pp, n_stages)
@@ -216,6 +230,9 @@ def _one_f_one_b(pp: int, m: int) -> dict[int, list[Action]]:
     return order
 
 
+_GENERATED = {"gpipe": _gpipe, "1f1b": _one_f_one_b}  # the schedules without a torch class
+
+
 class _StageStandIn:
     """What torch's schedule constructors read from a pipeline stage to compute ``pipeline_order``."""
 
@@ -238,7 +255,7 @@ def _from_torch(name: str, pp: int, m: int, n_stages: int) -> dict[int, list[Act
                         f"cannot be imported here ({e}); use 'gpipe' or '1f1b'") from e
     placement = stage_to_rank(name, pp, n_stages)
     stages = [_StageStandIn(s, n_stages, 0, pp) for s in range(n_stages) if placement[s] == 0]
-    cls = getattr(torch_schedules, _TORCH_CLASS[name])
+    cls = getattr(torch_schedules, SCHEDULE_RECORDS[name].torch_class)
     try:
         torch_order = cls(stages, n_microbatches=m).pipeline_order
     except (ValueError, RuntimeError, AssertionError) as e:

@@ -20,6 +20,7 @@ from fxpar.cost.estimate import Estimate, Pricer, gb
 from fxpar.cost.memory import fused_saving
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
+from fxpar.ir.schedule import SCHEDULE_RECORDS
 from fxpar.planner.space import divisors, factorisations, microbatch_options, schedule_variants, variants
 
 __all__ = ["AutoPlan", "baseline_plan", "describe", "search"]
@@ -267,8 +268,8 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=Fal
             if not any(e.fits for e in first[m]):
                 continue
             base = Plan(dp=dp, pp=pp, tp=tp, microbatches=m)
-            got, why = schedule_variants(base, ("gpipe", "interleaved_1f1b", "zbv", "interleaved_zb"),
-                                         len(costs.layers) + 2)
+            others = tuple(n for n, r in SCHEDULE_RECORDS.items() if r.searched and n != base.schedule)
+            got, why = schedule_variants(base, others, len(costs.layers) + 2)
             excluded += why
             for g in got:
                 for sp, z, rc, r, e, q in vs:

@@ -17,22 +17,8 @@ from collections import Counter
 
 import torch
 
+from fxpar.ir.kernel_catalogue import KERNELS
 from fxpar.ir.ops import collective_kind
-
-_WHAT = {
-    "linear_cross_entropy": "fused LM head + vocabulary-parallel cross-entropy, chunked over tokens",
-    # collective matmul: torch matmuls + async collectives on every device (no Triton kernel of its own)
-    "all_gather_linear": "sequence-parallel all-gather -> linears, chunked, chunk i+1 in flight during chunk i",
-    "linear_reduce_scatter": "linear -> sequence-parallel reduce-scatter, chunked, overlapping the next chunk",
-    "quantize_shard": "int8 block quantization of a ZeRO-3 shard (copy-in of the gather)",
-    "dequantize_copy_out": "int8 dequantization of a gathered bucket (copy-out)",
-    "pack_grads": "gradient bucket copy-in for the reduction (cast, padded, one launch)",
-    "copy_out": "gathered bucket split back into the parameters (one launch)",
-}
-
-
-# kernels made of torch's own ops on every device (their work is matmuls and collectives)
-_TORCH_ONLY = frozenset({"all_gather_linear", "linear_reduce_scatter"})
 
 
 def kernel_path(device: torch.device | str) -> str:
@@ -55,14 +41,18 @@ def kernel_rows(compiled) -> list[dict]:
                 if collective_kind(node) == "gather_params" and str(_comm_dtype(node)).startswith("int8"):
                     found[("quantize_shard", f"stage {stage.index}")] += 1
                     found[("dequantize_copy_out", f"stage {stage.index}")] += 1
-    rows = [{"kernel": name, "where": where, "sites": n, "what": _WHAT.get(name, ""),
-             "path": "torch" if name in _TORCH_ONLY else path}
+    rows = [{"kernel": name, "where": where, "sites": n, "what": _what(name),
+             "path": path if name not in KERNELS or KERNELS[name].triton else "torch"}
             for (name, where), n in sorted(found.items())]
     engine = getattr(compiled, "engine", None)
     for name in getattr(engine, "kernels", ()):  # the engine names the bucket kernels it launches
         rows.append({"kernel": name, "where": "data-parallel engine", "sites": len(engine.buckets),
-                     "what": _WHAT.get(name, ""), "path": path})
+                     "what": _what(name), "path": path})
     return rows
+
+
+def _what(name: str) -> str:
+    return KERNELS[name].what if name in KERNELS else ""
 
 
 def _fused_name(node: torch.fx.Node) -> str | None:
