@@ -57,6 +57,7 @@ SCHEDULE_RECORDS: dict[str, Schedule] = {s.name: s for s in (
              aliases=("zbvzerobubble", "zerobubblev")),
     Schedule("interleaved_zb", None, split_backward=True, torch_class="ScheduleInterleavedZeroBubble",
              aliases=("interleavedzerobubble", "zb1p")),
+    Schedule("looped_bfs", None, torch_class="ScheduleLoopedBFS", searched=False),  # no closed form priced yet
 )}
 SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_RECORDS)
 SPLIT_BACKWARD = frozenset(s.name for s in SCHEDULE_RECORDS.values() if s.split_backward)

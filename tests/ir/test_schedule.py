@@ -156,7 +156,7 @@ def test_names_placement_and_stages_per_rank():
     assert all(normalize_schedule(s) == s for s in SCHEDULES)
     with pytest.raises(PlanError, match="unknown pipeline schedule 'pipedream'.*gpipe, 1f1b"):
         normalize_schedule("pipedream")
-    assert [stages_per_rank(s, None) for s in SCHEDULES] == [1, 1, 2, 2, 2]
+    assert [stages_per_rank(s, None) for s in SCHEDULES] == [1, 1, 2, 2, 2, 2]
     assert stages_per_rank("interleaved_1f1b", 4) == 4
     with pytest.raises(PlanError, match="exactly 2 stages per rank"):
         stages_per_rank("zbv", 3)
@@ -179,7 +179,7 @@ def test_names_placement_and_stages_per_rank():
     (("1f1b", 4, 0, 4), ["'1f1b'", "n_microbatches must be an int >= 1", "0"]),
     (("1f1b", 0, 4, 4), ["pp must be an int >= 1"]),
     (("1f1b", 2, 2.0, 2), ["n_microbatches must be an int"]),
-    (("looped_bfs", 2, 2, 2), ["unknown pipeline schedule"]),
+    (("pipedream", 2, 2, 2), ["unknown pipeline schedule"]),
 ])
 def test_invalid_combinations_raise_plan_errors(args, needles):
     with pytest.raises(PlanError) as info:
@@ -261,3 +261,14 @@ def test_gpipe_and_1f1b_agree_with_torch_and_placements_too():
         for name, style in (("interleaved_1f1b", "loop"), ("zbv", "v")):
             mapping = generate_stage_to_rank_mapping(pp, 2 * pp, style=style)
             assert stage_to_rank(name, pp, 2 * pp) == [mapping[s] for s in range(2 * pp)]
+
+
+def test_looped_bfs_runs_each_local_stage_breadth_first():
+    # a schedule added by its record alone (torch's ScheduleLoopedBFS): rank r runs every microbatch's
+    # forward through its first stage, then its second, and the backwards in the reverse order
+    order, placement, n = _build("LoopedBFS", 2, 3)
+    assert placement == [0, 1, 0, 1] and normalize_schedule("ScheduleLoopedBFS") == "looped_bfs"
+    assert [(a.kind, a.stage) for a in order[0]] == [("F", 0)] * 3 + [("F", 2)] * 3 + [("B", 2)] * 3 + [("B", 0)] * 3
+    # by hand (F=1, B=2): rank 1's forwards end at 7, its B(3) at 13, its B(1) at 15, 17, 19; rank 0's B(0)
+    # wait on each of those: 15-17, 17-19, 19-21
+    assert simulate(order, placement).makespan == 21.0
