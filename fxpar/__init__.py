@@ -5,10 +5,10 @@ Estimate of one plan, as the planner ranks it), :func:`inspect`, :class:`Plan`, 
 """
 
 from fxpar.api import compile, trace
-from fxpar.auto import autoplan, price
 from fxpar.ir.errors import FxparError, PlanError, TraceError
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
+from fxpar.planner.auto import autoplan, price
 from fxpar.report.report import inspect
 from fxpar.runtime.model import CompiledModel
 

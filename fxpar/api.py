@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from fxpar import auto, launch, passes
+from fxpar import launch, passes
 from fxpar.cost.flops import annotate_costs
 from fxpar.cost.memory import state_bytes
 from fxpar.cost.partition import balanced_cuts, resolve_split_points
@@ -30,7 +30,7 @@ from fxpar.ir.program import Program
 from fxpar.ir.schedule import build_schedule
 from fxpar.ir.stage import CompileResult
 from fxpar.passes.expert_parallel import expert_regions, router_load
-from fxpar.planner import feasibility
+from fxpar.planner import auto, feasibility
 from fxpar.planner.stage_check import warn_pipeline
 from fxpar.report.tp_coverage import warn_if_replicated
 from fxpar.runtime import liveness
@@ -204,7 +204,7 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
 
     ``profile``: the device profile (:class:`~fxpar.cost.profiles.DeviceProfile`, a profile name such as
     ``"h100-80gb"`` or a ``fxpar calibrate`` JSON path) the pipeline cuts are balanced and the stage times
-    predicted on; None: this device's (:func:`fxpar.auto.device_profile`), under ``"auto"`` the one the plan
+    predicted on; None: this device's (:func:`fxpar.planner.auto.device_profile`), under ``"auto"`` the one the plan
     was priced on. ``device_model=`` is its deprecated spelling (a DeviceProfile; one release).
 
     ``max_grad_norm``: every ``step`` clips the global L2 norm of the gradients (all TP shards, stages and
@@ -226,7 +226,7 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     is_auto = isinstance(plan, str) and plan.strip().lower() == "auto"
     if is_auto:  # the same plan on every rank (pure), before any communication; checked across ranks below
         device = device if device is not None else launch.device_for_model(model)
-        chosen = auto.plan_for_compile(model, example_args, dict(example_kwargs or {}), world=auto.world_size(),
+        chosen = auto.plan_for_compile(model, example_args, dict(example_kwargs or {}), world=launch.world_size(),
                                        device=device, optimizer=optimizer, frontend=frontend)
         plan = chosen.best
         if profile is None:  # the pipeline cuts balanced on the profile the plan was priced on
@@ -244,11 +244,11 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     liveness.start()  # a no-op on one rank, or when init_distributed started it
     world, rank = _world()
     if is_auto:
-        auto.check_same_plan(plan, world)  # the first communication: every rank chose the same plan
+        launch.check_same_plan(plan, world)  # the first communication: every rank chose the same plan
         auto.announce(chosen, rank)
     feasibility.check_world(plan, world)
     device = device if device is not None else launch.device_for_model(model)
-    # cuts balanced and stage times predicted on this device's profile (fxpar.auto.device_profile)
+    # cuts balanced and stage times predicted on this device's profile (fxpar.planner.auto.device_profile)
     profile = profile if profile is not None else auto.device_profile(torch.device(device))[0]
     with liveness.guard("compile"):
         compiled = _compile(model, plan, MeshSpec.for_plan(plan, rank), example_args, example_kwargs,
@@ -267,7 +267,7 @@ def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), ex
     group: stages, placements, collectives, buckets, memory and predicted times (``fxpar.inspect`` reads
     them). The result cannot run; ``step`` and ``__call__`` raise. ``profile``: the device profile the cuts
     are balanced and the times predicted on, as ``compile``'s (None: this machine's profile,
-    :func:`fxpar.auto.device_profile`; ``device_model=``: its deprecated spelling)."""
+    :func:`fxpar.planner.auto.device_profile`; ``device_model=``: its deprecated spelling)."""
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     profile = auto.profile_arg(profile, device_model, "fxpar.api.price")
     profile = profile if profile is not None else auto.device_profile(None)[0]
@@ -316,8 +316,7 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
                        priced=dry)
     if plan.ep > 1:  # the experts are found on the first trace, checked before any communication
         program = _check_experts(builder, plan, flat, example_args, example_kwargs, program, weights)
-    dp_axis = "dp_shard" if plan.zero else "dp_replicate"
-    device_mesh = None if dry or mesh.world_size == 1 else mesh_groups(mesh, device.type, dp_axis)  # communicates
+    device_mesh = None if dry or mesh.world_size == 1 else mesh_groups(mesh, device.type, setup.dp_axis)  # communicates
     return CompiledModel(builder, model, plan, mesh, actions, example_args, example_kwargs, optimizer,
                          device=device, timeout=timeout, device_mesh=device_mesh, program=program, dry=dry,
                          max_grad_norm=max_grad_norm, param_groups=groups)

@@ -26,7 +26,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from fxpar.ir.errors import PlanError
 from fxpar.ir.options import run_options
+from fxpar.ir.plan import Plan
+from fxpar.planner.auto import plan_key, plan_mismatch
+from fxpar.runtime import dist_calls
 
 
 def device_for_rank(local_rank: int | None = None) -> torch.device:
@@ -117,3 +121,22 @@ def _leave() -> None:
         dist.destroy_process_group()
     groups.release_process_groups()
     gc.collect()
+
+
+def world_size() -> int:
+    """The world ``compile`` runs in: the process group's, or before one exists the one torchrun describes
+    (``WORLD_SIZE``; ``compile`` joins that group after planning), else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def check_same_plan(plan: Plan, world: int) -> None:
+    """Every rank must have chosen the same plan: compared over the default process group (one small
+    all-gather) once it exists; a PlanError naming the differing plans otherwise."""
+    if world == 1 or not (dist.is_available() and dist.is_initialized()):
+        return
+    keys = dist_calls.all_gather_object(plan_key(plan))
+    message = plan_mismatch(keys)
+    if message:
+        raise PlanError(message)

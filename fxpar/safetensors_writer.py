@@ -1,14 +1,14 @@
 """Writing safetensors files one tensor at a time, in ``save_pretrained``'s layout (``fxpar.checkpoint.export_hf``),
-and :func:`parse_size`, the one reader of sizes such as ``"5GB"``."""
+and :func:`parse_size`, ``max_shard_size`` as ``save_pretrained`` reads it."""
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 
+from fxpar.ir import units
 from fxpar.ir.errors import PlanError
 
 # ---- writing safetensors files (checkpoint.export_hf) ----------------------------------------------
@@ -16,21 +16,13 @@ from fxpar.ir.errors import PlanError
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_size(size: int | str) -> int:
     """Bytes in ``size``, as ``save_pretrained`` reads ``max_shard_size``: an int, or ``"5GB"`` (10**9),
-    ``"5GiB"`` (2**30), ``"500MB"``, ...; a lower-case ``b`` means bits (``"5Gb"``: 5 * 10**9 / 8)."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?[Bb]?)\s*", str(size), flags=re.IGNORECASE)
-    unit = m and m.group(2).upper()
-    if not m or unit not in _UNITS:
-        raise PlanError(f"max_shard_size={size!r}: give bytes as an int or a size such as '5GB', '500MB', '2GiB'")
-    bits = m.group(2).endswith("b")
-    return int(float(m.group(1)) * _UNITS[unit] // (8 if bits else 1))
+    ``"5GiB"`` (2**30), ``"500MB"``, ...; a lower-case ``b`` means bits (``"5Gb"``: 5 * 10**9 / 8)
+    (:func:`fxpar.ir.units.parse_size`)."""
+    return units.parse_size(size, "max_shard_size", bits=True)
 
 
 def _shards(entries: list[tuple[str, tuple, torch.dtype]], max_bytes: int) -> list[list[int]]:

@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from fxpar.ir.program import Program
+from fxpar.ir.resolved import zero3_bucket_bytes
 from fxpar.ir.stage import PipelineProgram
 from fxpar.passes.collective_matmul import collective_matmul
 from fxpar.passes.drop_dtype_asserts import drop_dtype_asserts
@@ -68,7 +69,7 @@ def _zero3(stage, ctx: PassContext):
     plan = ctx.plan
     mesh = ctx.mesh  # sharded over the shard group: all of dp, or with HSDP (dp_replicate > 1) dp / dp_replicate
     buckets = zero3(stage.gm, stage.params, mesh.dp_shard, mesh.dp_shard_rank, group=mesh.shard_group_name(),
-                    bucket_bytes=int((plan.bucket_mb or 0) * 2**20), prefetch=plan.prefetch,
+                    bucket_bytes=zero3_bucket_bytes(plan), prefetch=plan.prefetch,
                     cache=ctx.shared.setdefault("zero3", {}),
                     group_of=ctx.param_group,
                     compute_dtype=torch.bfloat16 if plan.mixed_precision == "bf16" else None,

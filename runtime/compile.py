@@ -50,6 +50,7 @@ from fxpar.ir.errors import FxparError
 from fxpar.ir.ops import collective_kind
 from fxpar.ir.options import run_options
 from fxpar.ir.plan import Plan
+from fxpar.ir.resolved import DEFAULT_BUCKET_MB
 from fxpar.runtime.groups import registered_groups, resolve_group
 
 __all__ = ["CompiledStage", "compile_enabled", "compile_stage", "enable_async_tp", "funcol_group", "inductor_profile",
@@ -59,7 +60,7 @@ __all__ = ["CompiledStage", "compile_enabled", "compile_stage", "enable_async_tp
 # collective as early as its inputs allow, sink each wait to its first use, and schedule compute that
 # does not depend on a collective between the two.
 OVERLAP_PASSES = ["reorder_compute_for_overlap", "sink_waits", "raise_comms"]
-ZERO3_BUCKET_CAP_MB = 25.0  # what Inductor may merge ZeRO-3's gathers into (fxpar's default bucket_mb)
+ZERO3_BUCKET_CAP_MB = float(DEFAULT_BUCKET_MB)  # what Inductor may merge ZeRO-3's gathers into
 
 
 def compile_enabled(setting: bool | None, device: torch.device) -> bool:

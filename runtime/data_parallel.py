@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from fxpar.ir.buckets import FlatBucket
 from fxpar.ir.optim import ParamGroups, check_optimizer, make_optimizer
+from fxpar.ir.resolved import DEFAULT_BUCKET_BYTES
 from fxpar.runtime import dist_calls
 from fxpar.runtime.collectives import _backend_of as backend_of
 from fxpar.runtime.groups import resolve_group
@@ -108,7 +109,8 @@ class DataParallelEngine:
     """Gradient synchronisation and the optimizer step over one dp group, for this rank's parameters."""
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], optimizer_factory, *, dp: int,
-                 rank: int, zero: int, group: str = "dp", bucket_bytes: int = 25 * 2**20, overlap: bool = True,
+                 rank: int, zero: int, group: str = "dp", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 overlap: bool = True,
                  offload: bool = False, first_bucket_bytes: int | None = None,
                  param_groups: ParamGroups | None = None, group_of: dict[int, int] | None = None,
                  reduce_group=None, replicate: tuple[str, int] | None = None):

@@ -2,15 +2,15 @@
 byte counts and the MoE load statistics of the last step.
 
 Reads: tensors, group names (resolved by :mod:`fxpar.runtime.groups`) at run time. Writes: the kernels of
-``fxpar::ep_counts`` / ``ep_dispatch`` / ``ep_combine`` (importing this module registers them) and this
-process's counters, read and reset by ``CompiledModel`` around each step (:func:`reset`, :func:`snapshot`).
+``fxpar::ep_counts`` / ``ep_dispatch`` / ``ep_combine`` (importing this module registers them) and the
+counters of the step running now (:class:`EpCounters`, made active by ``CompiledModel.ep`` around each step).
 
 * ``ep_counts``: one all-gather of the ``E`` per-expert counts over the ep group (``E * ep`` int64).
 * ``ep_dispatch``: split sizes from the counts, one ``all_to_all_single`` of the rows (a rank's rows for
   ep rank ``j`` are contiguous: they are sorted by expert and ``j`` owns a contiguous range), then the
   received rows reordered from source-major to local-expert-major into the static ``[ep * N, H]``
   buffer. ``ep_combine``: the inverse permutation and the all-to-all back.
-* Bytes counted (:func:`snapshot`'s ``"comm"``): per op, the rows this rank sends to *other* ranks x
+* Bytes counted (:meth:`EpCounters.snapshot`'s ``"comm"``): per op, the rows this rank sends to *other* ranks x
   hidden x element size (the rows a rank keeps for its own experts never travel; the counts' all-gather
   apart, under ``"counts"``). ``dispatch``/``combine`` are the forward's, ``dispatch_bwd``/``combine_bwd``
   the backward's (combine's gradient is a dispatch and vice versa). Summed over the ep group, dispatch
@@ -29,21 +29,39 @@ import torch.distributed as dist
 from fxpar.ir import expert_ops
 from fxpar.runtime.collectives import _communicate, _membership, all_gather_single
 
-_COMM: dict[str, int] = defaultdict(int)  # op -> bytes this rank sent off-rank since the last reset
-_LOAD: dict[str, torch.Tensor] = {}  # MoE layer -> [ep, E] tokens per (source rank, expert) since reset
+
+class EpCounters:
+    """What the kernels counted while these counters were the active ones (:class:`ExpertParallelRecord`'s,
+    during its step): ``comm``, op -> bytes this rank sent off-rank; ``load``, MoE layer -> ``[ep, E]`` tokens
+    per (source rank, expert)."""
+
+    def __init__(self):
+        self.comm: dict[str, int] = defaultdict(int)
+        self.load: dict[str, torch.Tensor] = {}
+
+    def add_load(self, layer: str, counts: torch.Tensor) -> None:
+        prev = self.load.get(layer)
+        self.load[layer] = counts.detach().cpu() + (prev if prev is not None else 0)
+
+    def snapshot(self) -> dict:
+        """``{"comm": {op: bytes}, "load": {layer: stats}}``. Per layer: ``tokens_per_expert`` (over this
+        rank's ep group, every microbatch), ``tokens_per_rank`` (what each ep rank's experts received),
+        ``imbalance`` (max / mean of ``tokens_per_rank``; 1.0 is perfect balance)."""
+        return {"comm": dict(self.comm), "load": load_stats(self.load)}
 
 
-def reset() -> None:
-    """Forget the counts (``CompiledModel`` calls it when a step or an inference call starts)."""
-    _COMM.clear()
-    _LOAD.clear()
+class _Counting:
+    """The counters the kernels add to now: a per-process slot, because torch's custom-op machinery calls
+    the kernels with the op's arguments only (tensors, the group's and the layer's names), so no counter
+    object can be passed to them. A record makes its own counters the active ones for its step
+    (:meth:`ExpertParallelRecord.start` / ``finish``); a kernel run outside a step counts into nothing. A
+    plain attribute, not a ContextVar: autograd runs a CUDA backward on a thread of its own."""
+
+    active: EpCounters | None = None
 
 
-def snapshot() -> dict:
-    """``{"comm": {op: bytes}, "load": {layer: stats}}`` since the last :func:`reset`. Per layer:
-    ``tokens_per_expert`` (over this rank's ep group, every microbatch), ``tokens_per_rank`` (what each ep
-    rank's experts received), ``imbalance`` (max / mean of ``tokens_per_rank``; 1.0 is perfect balance)."""
-    return {"comm": dict(_COMM), "load": load_stats(_LOAD)}
+def _counters() -> EpCounters:
+    return _Counting.active if _Counting.active is not None else EpCounters()
 
 
 def load_stats(counts: dict[str, torch.Tensor]) -> dict[str, dict]:
@@ -81,13 +99,17 @@ class ExpertParallelRecord:
         self.expert_ids = {id(program.tensor(f)) for f in info.experts} if info is not None else set()
         self.stats: dict[str, dict] = {}
         self.comm: dict[str, int] = {}
+        self.counters = EpCounters()
 
     def start(self) -> None:
-        reset()
+        """Count this step's bytes and loads on fresh counters of this record's."""
+        self.counters = _Counting.active = EpCounters()
 
     def finish(self) -> None:
-        last = snapshot()
+        last = self.counters.snapshot()
         self.stats, self.comm = last["load"], last["comm"]
+        if _Counting.active is self.counters:
+            _Counting.active = None
 
     def set_load(self, counts: dict[str, torch.Tensor]) -> None:
         """``stats`` from ``[ep, E]`` counts per MoE layer (``fxpar.api.price``)."""
@@ -127,9 +149,8 @@ def _ep_counts(offs: torch.Tensor, group: str, layer: str) -> torch.Tensor:
     else:
         _communicate("ep_counts", group, counts, lambda: all_gather_single(out.view(-1), counts, group=pg,
                                                                           async_op=True))
-        _COMM["counts"] += counts.numel() * counts.element_size() * (n - 1)
-    prev = _LOAD.get(layer)
-    _LOAD[layer] = out.detach().cpu() + (prev if prev is not None else 0)
+        _counters().comm["counts"] += counts.numel() * counts.element_size() * (n - 1)
+    _counters().add_load(layer, out)
     return out
 
 
@@ -141,7 +162,8 @@ def _ep_dispatch(x: torch.Tensor, counts: torch.Tensor, group: str, layer: str, 
         got.copy_(x[:sum(recv)])
     else:
         _all_to_all("ep_dispatch", group, pg, got, x, recv, send)
-    _COMM["dispatch_bwd" if backward else "dispatch"] += (sum(send) - send[me]) * x.shape[1] * x.element_size()
+    sent = (sum(send) - send[me]) * x.shape[1] * x.element_size()
+    _counters().comm["dispatch_bwd" if backward else "dispatch"] += sent
     out = x.new_zeros((n * x.shape[0], x.shape[1]))
     out[:perm.numel()] = got[perm.to(x.device)]
     return out
@@ -157,7 +179,7 @@ def _ep_combine(y: torch.Tensor, counts: torch.Tensor, group: str, layer: str, b
         out.copy_(rows)
     else:
         _all_to_all("ep_combine", group, pg, out, rows, send, recv)
-    _COMM["combine_bwd" if backward else "combine"] += (sum(recv) - recv[me]) * y.shape[1] * y.element_size()
+    _counters().comm["combine_bwd" if backward else "combine"] += (sum(recv) - recv[me]) * y.shape[1] * y.element_size()
     return out
 
 

@@ -9,9 +9,8 @@ axis under the full name the compiler writes into graphs, ``MeshSpec.group_name(
 ``"dp:0,2"``). Two compiled models with different plans in one process therefore never share a group
 of the wrong ranks, and a fake kernel sizes a group from its name alone (:mod:`fxpar.ir.ops`). The
 low-level :func:`register_group` / :func:`new_group` / :func:`new_subgroups` stay for tests and tools
-that name groups by hand ("tp", "world"); this module sizes those for the fake kernels too (it installs
-:func:`group_size` in :mod:`fxpar.ir.ops` when imported). Without torch.distributed every group has
-one rank.
+that name groups by hand ("tp", "world"); their table is :data:`fxpar.ir.ops.REGISTERED_GROUPS`, so the
+fake kernels size those too. Without torch.distributed every group has one rank.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ class _Group:
     member: bool = True  # False where new_group handed this rank a group it is not in
 
 
-_GROUPS: dict[str, _Group] = {}
+_GROUPS: dict[str, _Group] = ir_ops.REGISTERED_GROUPS  # the IR's table: fake kernels size these names too
 
 
 def register_group(name: str, process_group=None, *, size: int | None = None) -> None:
@@ -89,10 +88,7 @@ def registered_groups() -> dict[str, int]:
 def group_size(name: str) -> int:
     """How many ranks group ``name`` has: its registration, else the world for "world", else the
     ranks a "label:r0,r1" name lists, else 1 when torch.distributed is not initialised."""
-    g = _GROUPS.get(name)
-    if g is not None:
-        return g.size
-    return ir_ops.default_group_size(name, registered=_GROUPS)
+    return ir_ops.group_size(name)
 
 
 def resolve_group(name: str):
@@ -181,5 +177,3 @@ def mesh_groups(spec: MeshSpec, device_type: str, dp_axis: str = "dp_replicate")
                 register_group(spec.replica_group_name(), pg)
     return mesh
 
-
-ir_ops.set_group_size_resolver(group_size)  # fake kernels size hand-registered names ("tp") too

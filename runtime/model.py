@@ -29,6 +29,7 @@ from fxpar.ir.optim import ParamGroups, make_optimizer, state_count
 from fxpar.ir.options import run_options
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
+from fxpar.ir.resolved import dp_bucket_bytes
 from fxpar.ir.stage import CompileResult, PipelineProgram
 from fxpar.runtime import dist_calls
 from fxpar.runtime.data_parallel import DataParallelEngine, held_bytes
@@ -266,7 +267,7 @@ def make_engine(named, factory, groups: ParamGroups | None, result: CompileResul
         if mesh.dp_replicate > 1:  # HSDP (ep=1): shards over the shard group, each shard's copies over replicas
             dense_group = (mesh.shard_group_name(), mesh.dp_shard, mesh.dp_shard_rank)
         engine = DataParallelEngine(named, factory, dp=dense_group[1], rank=dense_group[2], zero=plan.zero,
-                                    group=dense_group[0], bucket_bytes=int((plan.bucket_mb or 25) * 2**20),
+                                    group=dense_group[0], bucket_bytes=dp_bucket_bytes(plan),
                                     overlap=overlap, offload=plan.offload, param_groups=groups, group_of=group_of,
                                     reduce_group=(lambda p: expert_group if id(p) in experts else dense_group)
                                     if experts else None,

@@ -2,7 +2,7 @@
 module) without launching; with ``--auto`` the plan the planner chooses for a world of ranks on a device
 profile, the ranked alternatives and the usual hand-made plan beside it; ``--json`` for machines.
 
-Both say which device profile their times are for and why (:func:`fxpar.auto.device_profile`: ``--device``,
+Both say which device profile their times are for and why (:func:`fxpar.planner.auto.device_profile`: ``--device``,
 else this machine's GPU, else the calibrated CPU profile, else the built-in one), the rule ``fxpar train``
 and ``fxpar.compile`` follow; ``--auto`` takes ``fxpar train``'s defaults (``--batch``, ``--seq``) and calls
 the same :func:`fxpar.autoplan`, so both choose the same plan for the same inputs."""
@@ -32,7 +32,7 @@ def cmd_plan(args) -> int:
         return cmd_auto(args)
     if args.world is not None:
         raise fxpar.PlanError(f"fxpar plan: --world {args.world} is for --auto (a given plan's degrees set its world)")
-    from fxpar.auto import device_profile
+    from fxpar.planner.auto import device_profile
 
     plan = fxpar.Plan.from_file(args.plan_file) if args.plan_file else fxpar.Plan.parse(args.plan)
     profile, why = device_profile(args.device)
@@ -54,7 +54,7 @@ def cmd_plan(args) -> int:
             data["ep_load"] = priced.ep.stats
         print(json.dumps(data, indent=2, default=str))
         return 0
-    dp_axis = "dp_shard" if plan.zero else "dp_replicate"
+    dp_axis = priced.setup.dp_axis
     # printed as torch's DeviceMesh prints itself; no DeviceMesh is made (it would create process groups)
     mesh = (f"DeviceMesh(({dp_axis}={plan.dp}, pp={plan.pp}, tp={plan.tp}), 'cpu', "
             f"stride=({plan.pp * plan.tp}, {plan.tp}, 1))")
@@ -101,8 +101,8 @@ def cmd_auto(args) -> int:
     """``fxpar plan MODEL --auto --world N``: build the model (``--meta``: no weights), price the plan space
     on the device profile (:func:`fxpar.autoplan`), print the chosen plan, its MFU, the top alternatives,
     the hand-made baseline and why the others lost (or all of it as JSON)."""
-    from fxpar.auto import autoplan
     from fxpar.ir.errors import PlanError
+    from fxpar.planner.auto import autoplan
 
     if args.world is None:
         raise PlanError("fxpar plan --auto needs the number of ranks: --world N (e.g. --world 1024)")
@@ -111,7 +111,7 @@ def cmd_auto(args) -> int:
     model = load_model(args.model, meta=args.meta)
     built = time.perf_counter()
     batch = args.global_batch if args.global_batch is not None else args.batch
-    # what fxpar train --plan auto calls (fxpar.auto.plan_for_compile), with its defaults and device rule
+    # what fxpar train --plan auto calls (fxpar.planner.auto.plan_for_compile), with its defaults and device rule
     auto = autoplan(model, args.world, device=args.device, memory_per_rank=args.memory, global_batch=batch,
                     seq=args.seq, top=args.top, dtype=args.dtype)
     done = time.perf_counter()
@@ -121,7 +121,7 @@ def cmd_auto(args) -> int:
                            "search_s": auto.seconds, "plan_s": done - built}
         print(json.dumps(data, indent=2, default=str))
         return 0
-    from fxpar.auto import explain
+    from fxpar.planner.auto import explain
 
     dtype = args.dtype or _dtype(model)
     print(f"fxpar plan --auto: {args.model}, {args.world} ranks of {auto.profile.name}, global batch {batch} x "

@@ -43,6 +43,7 @@ from fxpar.cost.stages import Segments
 from fxpar.ir import schedule as sched
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
+from fxpar.ir.resolved import microbatch_size
 from fxpar.ir.wire import INT8_BLOCK
 
 __all__ = ["Estimate", "Pricer", "price_plan"]
@@ -138,7 +139,7 @@ class Pricer:
     def plan_cuts(self, plan: Plan) -> list[str | None]:
         """The modules where ``plan``'s stages 2.. begin: the cuts ``fxpar.compile`` makes for it."""
         _, v, m = self.check(plan)
-        return self.segs.modules(plan.pp * v, self.batch // (plan.replicas * m), self.dtype(plan))
+        return self.segs.modules(plan.pp * v, microbatch_size(self.batch, plan.replicas, m), self.dtype(plan))
 
     def dtype(self, plan: Plan) -> str:
         """What ``plan``'s step computes in: bf16 under autocast, else the costs' dtype."""
@@ -206,7 +207,7 @@ class Pricer:
         name, v, m = self.check(plan)
         p, c = self.profile, self.costs
         world, pp, tp, dp = plan.world_size, plan.pp, plan.tp, plan.replicas
-        b = self.batch // (dp * m)
+        b = microbatch_size(self.batch, dp, m)
         sp, rc = plan.sequence_parallel, plan.recompute
         n_stages = pp * v
         # HSDP: the shard group and the replica group, each on the link its ranks need (fxpar.cost.data_parallel);
@@ -301,7 +302,7 @@ def _runtime(self: Pricer, plan: Plan, stages: list[int], params: list, gbytes: 
     """fxpar's own per-step costs outside the actions (fxpar.cost.overheads): the data-parallel engine's
     buckets (hooks, the gradients' copies in) and the optimizer's fixed cost per stepped tensor and group."""
     n0 = sum(params[s] for s in stages)
-    dp = plan.dp * plan.ep
+    dp = plan.replicas
     grads = n0 * gbytes if dp > 1 and plan.zero < 3 else 0
     buckets = dp_bucket_count(grads)
     tensors = buckets if plan.zero in (1, 2) and dp > 1 else _tensors(self, stages, *cut)

@@ -18,13 +18,14 @@ from fxpar.cost.data_parallel import DpGroups, engine_times
 from fxpar.cost.overheads import comm_share
 from fxpar.cost.schedule import moments, peak_activation
 from fxpar.ir.plan import Plan
+from fxpar.ir.resolved import DEFAULT_BUCKET_BYTES, microbatch_size
 
 __all__ = ["ADAM_BYTES", "ADAM_STATES", "BUCKET", "activation_peaks", "fused_saving", "moments", "optimizer_transient",
            "per_rank", "state_bytes", "step_grads"]
 
 ADAM_STATES = 2
 ADAM_BYTES = 28  # AdamW per fp32 entry: reads param, grad, 2 states; writes param, 2 states
-BUCKET = 25 * 2**20  # the data-parallel engine's gradient bucket
+BUCKET = DEFAULT_BUCKET_BYTES  # the data-parallel engine's gradient bucket
 
 
 def state_bytes(numel: int, zero: int, dp: int, states: int, dp_replicate: int = 1) -> dict[str, int]:
@@ -162,7 +163,7 @@ def fused_saving(pricer, plan: Plan) -> tuple[float, float]:
     from fxpar.ir.schedule import microbatches
 
     m = microbatches(plan)
-    b = pricer.batch // (plan.replicas * m)
+    b = microbatch_size(pricer.batch, plan.replicas, m)
     post = pricer.costs.part("post", plan.tp, plan.sequence_parallel)
     kept, trans = max(post.act.values(), key=sum, default=(0, 0))
     k = pricer.kind("post", plan.tp, plan.sequence_parallel, b, plan.recompute, plan.world_size, pricer.dtype(plan))

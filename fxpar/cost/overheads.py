@@ -28,6 +28,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fxpar.ir.resolved import DEFAULT_BUCKET_BYTES
+
 if TYPE_CHECKING:
     from fxpar.cost.profiles import DeviceProfile
 
@@ -82,7 +84,7 @@ def gather_copy_time(profile: DeviceProfile, nbytes: float) -> float:
     return fixed + (nbytes / bw if bw else 0.0) if fixed or bw else 0.0
 
 
-def dp_bucket_count(nbytes: float, first: float = 2**20, size: float = 25 * 2**20) -> int:
+def dp_bucket_count(nbytes: float, first: float = 2**20, size: float = DEFAULT_BUCKET_BYTES) -> int:
     """Buckets the data-parallel engine makes of ``nbytes`` of gradients (runtime/data_parallel.py: a small
     first bucket, so that the first all-reduce starts early, then buckets of ``size``)."""
     if nbytes <= 0:

@@ -24,17 +24,16 @@ Design, in short:
   ``"label:r0,r1,..."`` (:meth:`fxpar.ir.mesh.MeshSpec.group_name`, e.g. ``"tp:0,1"``): the name is
   the group's identity and carries its size, which is all a fake kernel needs, so a program can be
   traced for a group that does not exist. Other names (``"world"``, or a label such as ``"tp"`` that
-  a test registers by hand) are sized by the runtime's group registry: :mod:`fxpar.runtime.groups`
-  installs its ``group_size`` here once, when imported (:func:`set_group_size_resolver`; one function
-  set once, never swapped). Before that, such a name has the world's size for ``"world"``, else one
-  rank while torch.distributed is not initialised, as the registry itself would say.
+  a test registers by hand) are sized by their registration in :data:`REGISTERED_GROUPS`, the table
+  :func:`fxpar.runtime.groups.register_group` writes; an unregistered one has the world's size for
+  ``"world"``, else one rank while torch.distributed is not initialised.
 * Quantized communication (ZeRO++, ``Plan(comm_dtype="int8")``) is a ``comm_dtype`` argument of
   ``gather_params`` and ``reduce_scatter``, not an op of its own: :mod:`fxpar.ir.wire`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -63,7 +62,6 @@ __all__ = [
     "parse_ranks",
     "reduce_scatter",
     "scatter_slice",
-    "set_group_size_resolver",
 ]
 
 # Every op of the namespace, in a fixed order (the keys of count_collectives and the byte counts):
@@ -119,20 +117,17 @@ def default_group_size(name: str, registered=()) -> int:
     )
 
 
-_size_resolver: Callable[[str], int] | None = None
-
-
-def set_group_size_resolver(resolver: Callable[[str], int]) -> None:
-    """Let ``resolver`` (the runtime's group registry) size every group name from now on."""
-    global _size_resolver
-    _size_resolver = resolver
+# This process's table of registered group names -> entries with a ``size`` (fxpar.runtime.groups'
+# registry writes it; it holds it as its own table). Per process, because torch's custom-op machinery calls
+# a fake kernel with the op's arguments only (a tensor and the group's name): the size of a hand-registered
+# name ("tp", "dp") can come from nowhere else, as c10d keeps torch's own process groups by name per process.
+REGISTERED_GROUPS: dict = {}
 
 
 def group_size(name: str) -> int:
-    """How many ranks group ``name`` has (the runtime's registry first, once the runtime is loaded)."""
-    if _size_resolver is not None:
-        return _size_resolver(name)
-    return default_group_size(name)
+    """How many ranks group ``name`` has: its registration, else :func:`default_group_size`."""
+    g = REGISTERED_GROUPS.get(name)
+    return g.size if g is not None else default_group_size(name, registered=REGISTERED_GROUPS)
 
 
 # ---------------------------------------------------------------------------------------------------

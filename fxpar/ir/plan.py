@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 
 from fxpar.ir.errors import PlanError
+from fxpar.ir.resolved import resolve
 from fxpar.ir.schedule import normalize_schedule
 
 SPLIT_WHERE = ("beginning", "end")
@@ -122,25 +123,7 @@ class Plan:
             raise PlanError(f"Plan.virtual_stages={self.virtual_stages!r}: must be an integer >= 1")
         if self.compile not in (None, True, False):
             raise PlanError(f"Plan.compile={self.compile!r}: use True, False or leave it out (None: on for CUDA)")
-        if self.comm_dtype not in (None, "int8"):
-            raise PlanError(f"Plan.comm_dtype={self.comm_dtype!r}: use 'int8' or leave it out")
-        if self.comm_dtype is not None and self.zero != 3:
-            raise PlanError(f"Plan.comm_dtype={self.comm_dtype!r} quantizes ZeRO-3's parameter gathers; "
-                            f"zero={self.zero} has none: use zero=3")
-        if self.quantize_grads and self.comm_dtype is None:
-            raise PlanError("Plan.quantize_grads=True needs comm_dtype='int8' (and zero=3)")
-        if not isinstance(self.collective_matmul, int) or self.collective_matmul < 0 \
-                or self.collective_matmul == 1:
-            raise PlanError(f"Plan.collective_matmul={self.collective_matmul!r}: use 0 (off) or a chunk count >= 2")
-        if self.collective_matmul and not self.sequence_parallel:
-            raise PlanError(f"Plan.collective_matmul={self.collective_matmul} overlaps sequence-parallel "
-                            "all-gathers and reduce-scatters with matmuls: set sequence_parallel=True and tp > 1")
-        if self.ep > 1 and self.tp > 1:
-            raise PlanError(f"Plan(ep={self.ep}, tp={self.tp}): expert parallelism does not compose with tensor "
-                            "parallelism yet (fxpar/passes/expert_parallel.py); use ep with dp and pp, or tp alone")
-        if self.ep > 1 and self.zero == 3:
-            raise PlanError(f"Plan(ep={self.ep}, zero=3): ZeRO-3 would shard the experts' slices again over dp "
-                            "(fxpar/passes/expert_parallel.py does not compose with zero3); use zero=0, 1 or 2")
+        _check_combinations(self)
         if self.dp_replicate > 1:
             _check_hsdp(self)
         if self.recompute not in RECOMPUTE:
@@ -166,6 +149,18 @@ class Plan:
     def compiles_on(self, device) -> bool:
         """What ``compile`` means on ``device``: None is on for CUDA and off elsewhere."""
         return self.compile if self.compile is not None else torch.device(device).type == "cuda"
+
+    def resolve(self, world: int, batch: int):
+        """This plan for ``world`` ranks and a global ``batch``: a frozen :class:`~fxpar.ir.resolved.Resolved`,
+        every default and derived value (stages, microbatches and size, buckets, dp axis) checked together."""
+        return resolve(self, world, batch)
+
+    def to_text(self) -> str:
+        """The fields that differ from the defaults, as :meth:`parse` reads them (``dp=4,pp=2,zero=1``)."""
+        default, values = Plan(), {f.name: getattr(self, f.name) for f in fields(Plan)}
+        items = [f"{k}={'+'.join(v) if isinstance(v, tuple) else v}" for k, v in values.items()
+                 if k in ("dp", "pp", "tp") or v != getattr(default, k)]
+        return ",".join(items).replace("=True", "=true").replace("=False", "=false")
 
     def to_dict(self) -> dict:
         """The fields as plain JSON-able values (``tp_replicate`` as a list), what ``Plan(**d)`` reads back."""
@@ -223,6 +218,29 @@ class Plan:
         if unknown:
             raise PlanError(f"plan file {path}: " + "; ".join(_unknown(k, _types()) for k in unknown))
         return cls(**{k: field_value(k, v, f"plan file {path}") for k, v in data.items()})
+
+
+def _check_combinations(plan: Plan) -> None:
+    """The fields that need others: int8 communication, collective matmul, expert parallelism."""
+    if plan.comm_dtype not in (None, "int8"):
+        raise PlanError(f"Plan.comm_dtype={plan.comm_dtype!r}: use 'int8' or leave it out")
+    if plan.comm_dtype is not None and plan.zero != 3:
+        raise PlanError(f"Plan.comm_dtype={plan.comm_dtype!r} quantizes ZeRO-3's parameter gathers; "
+                        f"zero={plan.zero} has none: use zero=3")
+    if plan.quantize_grads and plan.comm_dtype is None:
+        raise PlanError("Plan.quantize_grads=True needs comm_dtype='int8' (and zero=3)")
+    if not isinstance(plan.collective_matmul, int) or plan.collective_matmul < 0 \
+            or plan.collective_matmul == 1:
+        raise PlanError(f"Plan.collective_matmul={plan.collective_matmul!r}: use 0 (off) or a chunk count >= 2")
+    if plan.collective_matmul and not plan.sequence_parallel:
+        raise PlanError(f"Plan.collective_matmul={plan.collective_matmul} overlaps sequence-parallel "
+                        "all-gathers and reduce-scatters with matmuls: set sequence_parallel=True and tp > 1")
+    if plan.ep > 1 and plan.tp > 1:
+        raise PlanError(f"Plan(ep={plan.ep}, tp={plan.tp}): expert parallelism does not compose with tensor "
+                        "parallelism yet (fxpar/passes/expert_parallel.py); use ep with dp and pp, or tp alone")
+    if plan.ep > 1 and plan.zero == 3:
+        raise PlanError(f"Plan(ep={plan.ep}, zero=3): ZeRO-3 would shard the experts' slices again over dp "
+                        "(fxpar/passes/expert_parallel.py does not compose with zero3); use zero=0, 1 or 2")
 
 
 @functools.cache

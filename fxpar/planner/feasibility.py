@@ -9,31 +9,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
 
 import torch
 
-from fxpar.ir import schedule as sched
 from fxpar.ir.batch import traced_batch
 from fxpar.ir.errors import PlanError
 from fxpar.ir.optim import ParamGroups, check_optimizer, make_optimizer
 from fxpar.ir.plan import Plan
+from fxpar.ir.resolved import Resolved
 
-
-@dataclass(frozen=True)
-class PipelineSetup:
-    """How a plan runs its pipeline for one global batch: resolved defaults, checked."""
-
-    schedule: str  # canonical schedule name
-    n_stages: int  # pp x stages per rank
-    microbatches: int  # per data-parallel replica
-    batch: int  # the global batch
-    dp: int
-    stage_to_rank: tuple[int, ...]
-
-    @property
-    def microbatch_size(self) -> int:
-        return self.batch // (self.microbatches * self.dp)
+PipelineSetup = Resolved  # how a plan runs its pipeline for one global batch (``Plan.resolve``)
 
 
 def check_world(plan: Plan, world: int) -> None:
@@ -58,7 +43,7 @@ def check_world(plan: Plan, world: int) -> None:
 def check_optimizer_factory(plan: Plan, optimizer, groups: ParamGroups | None = None) -> None:
     """Data parallelism and parameter groups need the optimizer; ZeRO refuses one it cannot shard. The
     factory is tried on dummies: one parameter, or with ``groups`` one per group in torch's group form."""
-    if (plan.dp * plan.ep > 1 or plan.zero) and optimizer is None:
+    if (plan.replicas > 1 or plan.zero) and optimizer is None:
         raise PlanError("data parallelism and ZeRO need the optimizer: pass optimizer=lambda params: ...")
     if groups is not None and optimizer is None:
         raise PlanError("fxpar.compile: param_groups sorts the parameters into the optimizer's groups, but no "
@@ -78,18 +63,10 @@ def warn_zero_with_pipeline(plan: Plan) -> None:
                       "pp > 1", stacklevel=4)
 
 
-def pipeline_setup(plan: Plan, batch: int) -> PipelineSetup:
-    """Schedule, stage count and microbatches for a global ``batch``; checks that they fit together."""
-    name = sched.normalize_schedule(plan.schedule)
-    n_stages = plan.pp * sched.stages_per_rank(name, plan.virtual_stages)
-    m = sched.microbatches(plan)
-    dp = plan.dp * plan.ep  # data replicas: expert parallelism is carved out of dp (each ep rank its own slice)
-    if batch % (m * dp):
-        raise PlanError(f"batch of {batch} does not divide into {m} microbatches x dp={dp}; global batch = "
-                        f"microbatch size x microbatches x dp: pick a batch that is a multiple of {m * dp} "
-                        "(a data loader's last short batch: drop_last=True) or another number of microbatches")
-    sched.validate(name, plan.pp, m, n_stages)
-    return PipelineSetup(name, n_stages, m, batch, dp, tuple(sched.stage_to_rank(name, plan.pp, n_stages)))
+def pipeline_setup(plan: Plan, batch: int) -> Resolved:
+    """Schedule, stage count and microbatches for a global ``batch``; checks that they fit together
+    (:meth:`Plan.resolve` for the plan's own world)."""
+    return plan.resolve(plan.world_size, batch)
 
 
 def check_program(program, model, setup: PipelineSetup) -> None:
@@ -118,3 +95,32 @@ def check_zero3_ties(plan: Plan, tied_across_ranks: list[str]) -> None:
 def tied_across_ranks(pipeline, stage_to_rank) -> list[str]:
     """Canonical FQNs of parameters held by stages on different pipeline ranks (sorted)."""
     return [fqn for fqn, stages in sorted(pipeline.tied.items()) if len({stage_to_rank[s] for s in stages}) > 1]
+
+
+def tied_parameters(model: torch.nn.Module | None) -> list[list[str]]:
+    """The FQNs of each parameter the model holds under several names (tied embeddings and LM heads)."""
+    names: dict[int, list[str]] = {}
+    for fqn, param in (model.named_parameters(remove_duplicate=False) if model is not None else ()):
+        names.setdefault(id(param), []).append(fqn)
+    return [fqns for fqns in names.values() if len(fqns) > 1]
+
+
+def compile_rule(model: torch.nn.Module | None):
+    """What ``fxpar.compile`` refuses that the costs cannot see, as the search's ``allow`` rule (plan -> None,
+    or why not): ZeRO-3 with pp > 1 on a model with tied weights (ZeRO-3 shards each stage's parameters on
+    their own, so tied weights on two pipeline ranks would drift apart: ``feasibility.check_zero3_ties``), and
+    selective recompute under a schedule that splits the backward (the recompute pass refuses it)."""
+    from fxpar.ir.schedule import normalize_schedule
+    from fxpar.passes.recompute import SPLIT_BACKWARD
+
+    tied = tied_parameters(model)
+    names = " = ".join(tied[0]) if tied else ""
+
+    def allow(plan: Plan) -> str | None:
+        if tied and plan.zero == 3 and plan.pp > 1:
+            return f"ZeRO-3 with pp={plan.pp} and tied weights ({names}) that pipeline ranks may share"
+        if plan.recompute == "selective" and normalize_schedule(plan.schedule) in SPLIT_BACKWARD:
+            return f"recompute='selective' with {plan.schedule}, whose backward runs in two passes"
+        return None
+
+    return allow

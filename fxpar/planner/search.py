@@ -20,6 +20,7 @@ from fxpar.cost.estimate import Estimate, Pricer, gb
 from fxpar.cost.memory import fused_saving
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
+from fxpar.ir.resolved import microbatch_size
 from fxpar.ir.schedule import SCHEDULE_RECORDS
 from fxpar.planner.space import divisors, factorisations, microbatch_options, schedule_variants, variants
 
@@ -82,7 +83,7 @@ class AutoPlan:
     excluded: list[tuple[str, str]] = field(default_factory=list)  # combinations never priced, with reasons
     global_batch: int = 0
     seq: int = 0  # tokens per sequence the plans were priced for
-    profile_why: str = ""  # why the predictions are for this profile (fxpar.auto.device_profile)
+    profile_why: str = ""  # why the predictions are for this profile (fxpar.planner.auto.device_profile)
     trace_seconds: float = 0.0  # tracing the model's parts and costing them (fxpar.autoplan; 0: costs given)
 
     def to_text(self, top: int = 5) -> str:
@@ -337,7 +338,7 @@ def _no_fit(priced: list[Estimate], pricer: Pricer, world: int, rpn: int) -> Pla
     fixed = mem["total"] - states
     p = least.plan
     where = (f"zero={p.zero}, dp={p.dp}, pp={p.pp}, tp={p.tp}, recompute={p.recompute}, microbatch "
-             f"{pricer.batch // (p.dp * (p.microbatches or 1))}")
+             f"{microbatch_size(pricer.batch, p.dp, p.microbatches or 1)}")
     if have > fixed:
         need = math.ceil(world * states / (have - fixed))
         need = math.ceil(need / rpn) * rpn

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from fxpar.auto import compute_dtype
 from fxpar.ir.batch import counted_labels
 from fxpar.ir.errors import PlanError
 from fxpar.ir.schedule import microbatches
+from fxpar.planner.auto import compute_dtype
 from fxpar.train import metrics as M
 from fxpar.train import optim, saving, streams
 from fxpar.train.progress import Progress
@@ -141,7 +141,7 @@ class FineTune:
         self.data_start = self.stream.state_dict()  # where this run's data begins (saved, for a resumed one)
         self.batch = streams.step_batch(self.stream, self.accum)
         if auto:  # the planner prices the whole step's batch (its microbatches cover the accumulation)
-            from fxpar.auto import explain, plan_for_compile
+            from fxpar.planner.auto import explain, plan_for_compile
 
             chosen = plan_for_compile(model, (), self.batch, world=self.world, device=self.device,
                                       optimizer=optim.adamw_factory(a.lr, a.weight_decay), frontend="auto",

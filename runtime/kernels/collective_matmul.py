@@ -42,12 +42,14 @@ along dim 0 -> split/cat -> mm, and mm -> ``reduce_scatter_tensor``) and torch d
 symmetric memory itself; that path wants ``collective_matmul=0``. These ops are the decomposition for
 every other case (eager, CPU/gloo, no symmetric memory); under ``torch.compile`` they stay opaque calls.
 
-:data:`EVENTS`: ``None`` normally; a test sets it to a list and each kernel appends
-``(op, "comm_start" | "comm_done" | "mm_done", chunk)`` in the order things are issued, which is how
-the overlap is shown on CPU, where timing would say little.
+:func:`recording`: within the block each kernel appends ``(op, "comm_start" | "comm_done" | "mm_done",
+chunk)`` to the list it yields, in the order things are issued, which is how tests show the overlap on
+CPU, where timing would say little.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -58,14 +60,31 @@ from fxpar.ir.collective_matmul_ops import check_chunks, check_token_dim, comput
 from fxpar.ir.ops import check_dim, group_size, shard_len
 from fxpar.runtime import collectives as coll
 
-__all__ = ["EVENTS", "all_gather_linear", "linear_reduce_scatter"]
+__all__ = ["all_gather_linear", "linear_reduce_scatter", "recording"]
 
-EVENTS: list | None = None  # set to a list by tests: the kernels' issue order
+
+class _Recording:
+    """The list the kernels append their issue order to, inside :func:`recording` (None outside). A
+    per-process slot: torch's custom-op machinery calls the kernels with the op's arguments only, so the list
+    cannot be passed to them. A plain attribute, not a ContextVar: autograd runs a CUDA backward on a
+    thread of its own."""
+
+    events: list | None = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, the kernels' issue order: yields the list each kernel appends to."""
+    before, _Recording.events = _Recording.events, []
+    try:
+        yield _Recording.events
+    finally:
+        _Recording.events = before
 
 
 def _log(op: str, what: str, chunk: int) -> None:
-    if EVENTS is not None:
-        EVENTS.append((op, what, chunk))
+    if _Recording.events is not None:
+        _Recording.events.append((op, what, chunk))
 
 
 def _start(op: str, group: str, x: torch.Tensor, launch) -> object:

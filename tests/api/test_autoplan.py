@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 import fxpar
-from fxpar import auto, zoo
+from fxpar import launch, zoo
 from fxpar.ir.plan import Plan
+from fxpar.ir.units import parse_size
+from fxpar.planner import auto, feasibility
 
 BATCH, SEQ = 8, 16
 
@@ -50,7 +52,7 @@ def test_autoplan_prices_the_best_as_the_planner_does(llama, planned):
     reused = fxpar.autoplan(llama, 4, device=profile, global_batch=BATCH, seq=SEQ, costs=costs)
     assert reused.best == planned.best
     text = reused.to_text(top=3)
-    assert auto.plan_text(planned.best).split(",")[0] in text.replace(" ", "")  # the chosen plan is named
+    assert planned.best.to_text().split(",")[0] in text.replace(" ", "")  # the chosen plan is named
 
 
 def test_memory_per_rank_limits_the_choice(llama, planned):
@@ -72,14 +74,14 @@ def test_no_factorisation_is_an_error_naming_the_numbers(llama):
 
 def test_argument_errors(monkeypatch):
     with pytest.raises(fxpar.PlanError, match="80GB"):
-        auto.parse_memory("eighty gigs")
-    assert auto.parse_memory("80GB") == 80 * 10**9 and auto.parse_memory("2GiB") == 2 * 2**30
-    assert auto.parse_memory(" 512 mb") == 512 * 10**6 and auto.parse_memory(1e9) == 10**9
+        parse_size("eighty gigs")
+    assert parse_size("80GB") == 80 * 10**9 and parse_size("2GiB") == 2 * 2**30
+    assert parse_size(" 512 mb") == 512 * 10**6 and parse_size(1e9) == 10**9
     with pytest.raises(fxpar.PlanError, match="world_size"):
         fxpar.autoplan(None, 0, global_batch=BATCH, seq=SEQ)
     assert auto.tp_degrees(1024, 8) == (1, 2, 4, 8) and auto.tp_degrees(6, 8) == (1, 2, 3, 6)
     monkeypatch.setenv("WORLD_SIZE", "4")  # under torchrun, before compile joins the group: planned for 4
-    assert auto.world_size() == 4
+    assert launch.world_size() == 4
 
 
 def test_plan_mismatch_across_ranks_names_both_plans():
@@ -87,7 +89,7 @@ def test_plan_mismatch_across_ranks_names_both_plans():
     message = auto.plan_mismatch([auto.plan_key(a), auto.plan_key(a), auto.plan_key(b), auto.plan_key(a)])
     assert "rank 0 dp=4" in message and "rank 2 dp=2,pp=2" in message
     assert auto.plan_mismatch([auto.plan_key(a)] * 3) is None
-    assert Plan.parse(auto.plan_text(Plan(dp=2, pp=2, zero=1, sequence_parallel=True, microbatches=4))) == \
+    assert Plan.parse(Plan(dp=2, pp=2, zero=1, sequence_parallel=True, microbatches=4).to_text()) == \
         Plan(dp=2, pp=2, zero=1, sequence_parallel=True, microbatches=4)
 
 
@@ -107,8 +109,8 @@ def test_plans_compile_refuses_are_never_chosen():
     ranks such a plan (they are priced and rejected with the reason); llama has no tie and no such rule.
     Selective recompute under a zero-bubble schedule is refused for every model."""
     gpt2 = zoo.build("gpt2", seed=0)
-    assert auto.tied_parameters(gpt2) and not auto.tied_parameters(zoo.build("llama"))
-    rule = auto.compile_rule(zoo.build("llama"))
+    assert feasibility.tied_parameters(gpt2) and not feasibility.tied_parameters(zoo.build("llama"))
+    rule = feasibility.compile_rule(zoo.build("llama"))
     assert rule(Plan(dp=2, pp=2, zero=3)) is None and rule(Plan(pp=2, schedule="zbv", recompute="selective"))
     planned = fxpar.autoplan(gpt2, 4, device="h100-80gb", global_batch=BATCH, seq=SEQ)
     assert not any(e.plan.zero == 3 and e.plan.pp > 1 for e in planned.ranked)

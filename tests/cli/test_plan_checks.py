@@ -77,9 +77,9 @@ def test_plan_prefers_the_calibrated_profile_and_takes_device(model_dir, cpu_mac
 def test_plan_auto_and_train_auto_choose_the_same_plan(model_dir, cpu_machine, no_communication, capsys):
     import argparse
 
-    from fxpar.auto import explain, plan_for_compile
     from fxpar.cli import build_parser
     from fxpar.cli.train import add_arguments
+    from fxpar.planner.auto import explain, plan_for_compile
     from fxpar.train.models import example_kwargs, load_model
 
     train_parser = argparse.ArgumentParser()
@@ -100,7 +100,7 @@ def test_plan_auto_and_train_auto_choose_the_same_plan(model_dir, cpu_machine, n
 
     why = explain(chosen)  # what both print: the same words for the same choice
     assert why in text
-    assert why.startswith(f"plan 'auto': {fxpar.auto.plan_text(chosen.best)} for 4 ranks of cpu (no GPU on this "
+    assert why.startswith(f"plan 'auto': {chosen.best.to_text()} for 4 ranks of cpu (no GPU on this "
                           "machine and no calibrated profile")
     assert re.search(r"why: the fastest of \d+ plans that fit: predicted [0-9.]+ ms/step, [0-9.]+ MiB per rank", why)
     assert "runner-up" in why and "hand-made baseline" in why and "the others: " in why

@@ -7,9 +7,9 @@ import pytest
 
 from fxpar import zoo
 from fxpar.api import price
-from fxpar.auto import profile_arg
 from fxpar.cost.profiles import PROFILES
 from fxpar.ir.errors import PlanError
+from fxpar.planner.auto import profile_arg
 
 
 @pytest.fixture(scope="module")

@@ -48,8 +48,8 @@ def test_price_refuses_a_world_the_plan_does_not_make():
 def test_compiled_predicted_is_the_plans_price_priced_only_when_read(monkeypatch):
     """A built plan's ``predicted`` is ``fxpar.price`` of that plan for the example batch (its global batch
     and length) on the profile compile was given; building it prices nothing, reading it prices once."""
-    from fxpar import auto
     from fxpar.api import price as build
+    from fxpar.planner import auto
 
     calls = []
     real = auto.price

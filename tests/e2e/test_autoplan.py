@@ -52,7 +52,7 @@ def auto_run(memory: int | None = None) -> dict:
             os.environ["FXPAR_PROFILE"] = saved
     losses = [compiled.step(**batch).item() for _ in range(STEPS)]
     state = {k: v.clone() for k, v in compiled.full_state_dict().items()}
-    return {"plan": fxpar.auto.plan_text(compiled.plan), "losses": losses, "state": state,
+    return {"plan": compiled.plan.to_text(), "losses": losses, "state": state,
             "best": compiled.autoplan.best == compiled.plan, "ranked": len(compiled.autoplan.ranked),
             "memory": compiled.autoplan.estimate.memory["total"]}
 
@@ -64,7 +64,7 @@ def tight_memory(world: int, fraction: float) -> tuple[int, str]:
 
     free = fxpar.autoplan(zoo.build(NAME, seed=0), world, device=profile_for_device("cpu"), global_batch=BATCH,
                           seq=SEQ)
-    return int(fraction * free.estimate.memory["total"]), fxpar.auto.plan_text(free.best)
+    return int(fraction * free.estimate.memory["total"]), free.best.to_text()
 
 
 def reference() -> tuple[list[float], dict]:

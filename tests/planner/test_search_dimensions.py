@@ -8,11 +8,11 @@ import warnings
 import pytest
 
 from fxpar import zoo
-from fxpar.auto import device_profile
 from fxpar.cost.comm import sent_bytes
 from fxpar.cost.estimate import Pricer
 from fxpar.ir.plan import Plan
 from fxpar.ir.wire import int8_wire_bytes
+from fxpar.planner.auto import device_profile
 from fxpar.planner.model_costs import model_costs
 from fxpar.planner.search import search
 

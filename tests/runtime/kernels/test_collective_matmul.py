@@ -56,14 +56,10 @@ def _gather_case(chunks: int, dim: int, seed: int) -> dict:
     leaves = [x, w0, w1, w2, b1]
     gathered = fx.all_gather_rs_bwd(x, GROUP, dim)
     want = [gathered * 0.5, F.linear(gathered, w0), F.linear(gathered, w1, b1), F.linear(gathered, w2)]
-    cm.EVENTS = []
-    try:
+    with cm.recording() as events:
         got = cm.all_gather_linear(x, GROUP, dim, chunks, [w0, w1, w2], [None, b1, None])
         got = [got[0] * 0.5, *got[1:]]
         grads = _grads_of(got, leaves, seed + 1)
-        events = list(cm.EVENTS)
-    finally:
-        cm.EVENTS = None
     return {"out": _max_diff(got, want), "grad": _max_diff(grads, _grads_of(want, leaves, seed + 1)),
             "events": events}
 
@@ -72,13 +68,9 @@ def _scatter_case(chunks: int, dim: int, seed: int) -> dict:
     shape = (2, 16, 6) if dim == 1 else (16, 3, 6)
     x, w, b = _leaves(shape, (5, 6), (5,), seed=seed)
     want = [fx.reduce_scatter(F.linear(x, w, b), GROUP, dim)]
-    cm.EVENTS = []
-    try:
+    with cm.recording() as events:
         got = [cm.linear_reduce_scatter(x, GROUP, dim, chunks, w, b)]
         grads = _grads_of(got, [x, w, b], seed + 1)
-        events = list(cm.EVENTS)
-    finally:
-        cm.EVENTS = None
     return {"out": _max_diff(got, want), "grad": _max_diff(grads, _grads_of(want, [x, w, b], seed + 1)),
             "events": events}
 
@@ -212,13 +204,10 @@ def train_chunked_vs_unchunked(chunk_counts, steps: int = 3, name: str = "llama"
         model = fxpar.compile(zoo.build(name, seed=0, **cfg), Plan.parse(f"tp=2,sequence_parallel=true,"
                                                                           f"collective_matmul={k}{extra}"),
                               example_kwargs=batch, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), timeout=60)
-        cm.EVENTS = []
-        try:
+        with cm.recording() as events:
             losses = [model.step(**batch).item() for _ in range(steps)]
             # forward calls of each kernel per step (a recompute that reran them would communicate again)
-            calls = sum(e == ("all_gather_linear", "comm_start", 0) for e in cm.EVENTS) / steps
-        finally:
-            cm.EVENTS = None
+            calls = sum(e == ("all_gather_linear", "comm_start", 0) for e in events) / steps
         stages = model.pipeline.stages_of(model.pp_rank)
         graphs = [m.graph for s in stages for m in s.gm.modules() if isinstance(m, torch.fx.GraphModule)]
         fused = sum(str(n.target).startswith("fxpar_kernels.") for g in graphs for n in g.nodes)  # recompute's too

@@ -1,23 +1,22 @@
-"""``fxpar.autoplan`` and what ``fxpar.compile(model, "auto")`` adds to ``compile``: the whole plan chosen
-by the planner (:mod:`fxpar.planner`) from one trace of the model and a device profile (:mod:`fxpar.cost.profiles`).
+"""The planner's entry points: ``fxpar.autoplan``, ``fxpar.price`` and what ``fxpar.compile(model, "auto")``
+adds to ``compile``: the whole plan chosen by the planner (:mod:`fxpar.planner.search`) from one trace of the
+model and a device profile (:mod:`fxpar.cost.profiles`), the device rule, and why the plan was chosen.
 
 Planning is pure (no process group, no randomness, ties broken by the search's fixed key), so every rank of
 a world computes the same plan on its own before any communication; ``compile("auto")`` then compares the
 plans once the default process group exists, and a mismatch (ranks given different batches, devices or
-profiles) names both plans instead of hanging in a collective built for the wrong mesh.
+profiles) names both plans instead of hanging in a collective built for the wrong mesh
+(:func:`plan_mismatch`; the comparison itself, which communicates, is :func:`fxpar.launch.check_same_plan`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import time
 import warnings
-from dataclasses import fields
 
 import torch
-import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from fxpar.cost.profiles import DeviceProfile
@@ -25,23 +24,8 @@ from fxpar.ir.batch import batch_size
 from fxpar.ir.errors import PlanError
 from fxpar.ir.options import run_options
 from fxpar.ir.plan import Plan
-from fxpar.runtime import dist_calls
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_memory(value: int | float | str | None) -> int | None:
-    """Bytes from ``80e9``, ``"80GB"`` (powers of 1000), ``"80GiB"`` (powers of 1024) or ``"512 MB"``; None stays
-    None."""
-    if value is None or isinstance(value, (int, float)):
-        return None if value is None else int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-    unit = match.group(2).lower() if match else None
-    if unit not in _UNITS:
-        raise PlanError(f"memory per rank {value!r}: write a number of bytes or a size like '80GB' or '80GiB' "
-                        f"(units: {', '.join(u for u in _UNITS if u)})")
-    return int(float(match.group(1)) * _UNITS[unit])
+from fxpar.ir.units import parse_size
+from fxpar.planner.feasibility import compile_rule
 
 
 def device_profile(device: str | DeviceProfile | torch.device | None = None) -> tuple[DeviceProfile, str]:
@@ -144,7 +128,7 @@ def autoplan(model: torch.nn.Module, world_size: int, *, device: str | DevicePro
         raise PlanError(f"fxpar.autoplan: the costs given were computed for seq={costs.seq}, not seq={seq}; "
                         "compute them again with fxpar.planner.model_costs.model_costs(model, seq)")
     chosen = search(costs, world_size, profile, global_batch=global_batch,
-                    memory_per_rank=parse_memory(memory_per_rank), top=top, allow=compile_rule(model), int8=int8)
+                    memory_per_rank=parse_size(memory_per_rank), top=top, allow=compile_rule(model), int8=int8)
     chosen.seq, chosen.profile_why = seq, why
     chosen.trace_seconds = time.perf_counter() - traced - chosen.seconds  # the trace and the per-part costs
     return chosen
@@ -175,7 +159,7 @@ def price(model: torch.nn.Module, plan: Plan | str, *, world: int | None = None,
     elif costs.seq != seq:
         raise PlanError(f"fxpar.price: the costs given were computed for seq={costs.seq}, not seq={seq}")
     return Pricer(costs, profile, global_batch=global_batch,
-                  memory_per_rank=parse_memory(memory_per_rank)).price(plan)
+                  memory_per_rank=parse_size(memory_per_rank)).price(plan)
 
 
 def explain(auto) -> str:
@@ -186,10 +170,10 @@ def explain(auto) -> str:
     est = auto.estimate
 
     def line(what: str, e) -> str:
-        return (f"  {what} {plan_text(e.plan)}: {_ms(e.step_time)}/step ({e.step_time / est.step_time:.2f}x), "
+        return (f"  {what} {e.plan.to_text()}: {_ms(e.step_time)}/step ({e.step_time / est.step_time:.2f}x), "
                 f"{_gb(e.memory['total'])} per rank")
 
-    lines = [f"plan 'auto': {plan_text(auto.best)} for {auto.world} ranks of {auto.profile.name}"
+    lines = [f"plan 'auto': {auto.best.to_text()} for {auto.world} ranks of {auto.profile.name}"
              + (f" ({auto.profile_why})" if auto.profile_why else ""),
              f"  why: the fastest of {len(auto.ranked)} plans that fit: predicted {_ms(est.step_time)}/step, "
              f"{_gb(est.memory['total'])} per rank (of {_gb(auto.profile.memory)}), MFU {100 * est.mfu:.1f}%, for a "
@@ -217,44 +201,6 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / 2**30:.3g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.3g} MiB"
 
 
-def tied_parameters(model: torch.nn.Module | None) -> list[list[str]]:
-    """The FQNs of each parameter the model holds under several names (tied embeddings and LM heads)."""
-    names: dict[int, list[str]] = {}
-    for fqn, param in (model.named_parameters(remove_duplicate=False) if model is not None else ()):
-        names.setdefault(id(param), []).append(fqn)
-    return [fqns for fqns in names.values() if len(fqns) > 1]
-
-
-def compile_rule(model: torch.nn.Module | None):
-    """What ``fxpar.compile`` refuses that the costs cannot see, as the search's ``allow`` rule (plan -> None,
-    or why not): ZeRO-3 with pp > 1 on a model with tied weights (ZeRO-3 shards each stage's parameters on
-    their own, so tied weights on two pipeline ranks would drift apart: ``feasibility.check_zero3_ties``), and
-    selective recompute under a schedule that splits the backward (the recompute pass refuses it)."""
-    from fxpar.ir.schedule import normalize_schedule
-    from fxpar.passes.recompute import SPLIT_BACKWARD
-
-    tied = tied_parameters(model)
-    names = " = ".join(tied[0]) if tied else ""
-
-    def allow(plan: Plan) -> str | None:
-        if tied and plan.zero == 3 and plan.pp > 1:
-            return f"ZeRO-3 with pp={plan.pp} and tied weights ({names}) that pipeline ranks may share"
-        if plan.recompute == "selective" and normalize_schedule(plan.schedule) in SPLIT_BACKWARD:
-            return f"recompute='selective' with {plan.schedule}, whose backward runs in two passes"
-        return None
-
-    return allow
-
-
-def plan_text(plan: Plan) -> str:
-    """The plan's fields that differ from the defaults, as ``Plan.parse`` reads them (``dp=4,pp=2,zero=1``)."""
-    default = Plan()
-    values = {f.name: getattr(plan, f.name) for f in fields(Plan)}
-    items = [f"{k}={'+'.join(v) if isinstance(v, tuple) else v}" for k, v in values.items()
-             if k in ("dp", "pp", "tp") or v != getattr(default, k)]
-    return ",".join(items).replace("=True", "=true").replace("=False", "=false")
-
-
 def example_shape(example_args: tuple, example_kwargs: dict) -> tuple[int, int]:
     """(global batch, sequence length) of an example batch: the batch from fxpar's batch rule, the length
     from ``input_ids`` (else the first tensor of two or more dims with that batch)."""
@@ -269,21 +215,13 @@ def example_shape(example_args: tuple, example_kwargs: dict) -> tuple[int, int]:
     return batch, int(tensors[0].shape[1])
 
 
-def world_size() -> int:
-    """The world ``compile`` runs in: the process group's, or before one exists the one torchrun describes
-    (``WORLD_SIZE``; ``compile`` joins that group after planning), else 1."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-
 def plan_for_compile(model, example_args: tuple, example_kwargs: dict, *, world: int, device,
                      optimizer, frontend: str, dtype: str | None = None):
     """The AutoPlan ``compile(model, "auto")`` and ``fxpar train --plan auto`` run: :func:`autoplan` for
     ``world`` ranks of this device's profile (:func:`device_profile`), the example batch's global batch and
     length, computing in ``dtype`` (None: the model's); ``fxpar plan --auto`` calls :func:`autoplan` with the
     same rule and defaults, so the same inputs choose the same plan. Pure: every rank gets the same one
-    (checked by :func:`check_same_plan`)."""
+    (checked by :func:`fxpar.launch.check_same_plan`)."""
     if optimizer is None:
         raise PlanError("compile(model, 'auto') chooses a plan for training steps, and data parallelism and ZeRO "
                         "need the optimizer: pass optimizer=lambda params: torch.optim.AdamW(params, ...) "
@@ -304,20 +242,9 @@ def plan_mismatch(keys: list[str]) -> str | None:
     other = next((r for r, key in enumerate(keys) if key != keys[0]), None)
     if other is None:
         return None
-    first, second = (plan_text(Plan(**json.loads(keys[r]))) for r in (0, other))
+    first, second = (Plan(**json.loads(keys[r])).to_text() for r in (0, other))
     return (f"compile(model, 'auto'): the ranks chose different plans: rank 0 {first}, rank {other} {second}; "
             "every rank must pass the same model, example batch and device type (and see the same FXPAR_PROFILE)")
-
-
-def check_same_plan(plan: Plan, world: int) -> None:
-    """Every rank must have chosen the same plan: compared over the default process group (one small
-    all-gather) once it exists; a PlanError naming the differing plans otherwise."""
-    if world == 1 or not (dist.is_available() and dist.is_initialized()):
-        return
-    keys = dist_calls.all_gather_object(plan_key(plan))
-    message = plan_mismatch(keys)
-    if message:
-        raise PlanError(message)
 
 
 def announce(auto, rank: int) -> None:
