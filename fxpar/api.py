@@ -29,7 +29,7 @@ from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.schedule import build_schedule
 from fxpar.ir.stage import CompileResult
-from fxpar.passes.expert_parallel import expert_regions, router_load
+from fxpar.passes.expert_parallel import router_load
 from fxpar.planner import auto, feasibility
 from fxpar.planner.stage_check import warn_pipeline
 from fxpar.report.tp_coverage import warn_if_replicated
@@ -38,7 +38,7 @@ from fxpar.runtime.compile import compile_stage
 from fxpar.runtime.grad_norm import check_max_grad_norm
 from fxpar.runtime.groups import mesh_groups
 from fxpar.runtime.memtrack import trim_heap
-from fxpar.runtime.model import CompiledModel
+from fxpar.runtime.model import CompiledModel, PricedPlan
 from fxpar.safetensors_check import check_weights
 from fxpar.weights import WeightSource, check_not_taken
 
@@ -125,6 +125,23 @@ class _Builder:
     def _compile_stage(self, gm, *, stage: int, lower):
         return compile_stage(gm, stage=stage, lower=lower, device=self.device)
 
+    def context(self, setup) -> passes.PassContext:
+        """What the passes read for a signature cut as ``setup`` (the cuts as chosen so far)."""
+        return passes.PassContext(self.plan, self.mesh, self.device, cuts=self.cuts,
+                                  stage_to_rank=list(setup.stage_to_rank),
+                                  load=self._load if self.weights is not None else None,
+                                  load_flat=self.weights.load_flat if self.weights is not None else None,
+                                  traced_on_meta=self.on_meta,
+                                  shared=self.shared, param_group=self.groups.index if self.groups else None,
+                                  compile_stage=None if self.priced else self._compile_stage)
+
+    def trace_first(self, flat: list, spec) -> Program:
+        """The example batch's first microbatch, traced (on meta inputs for a meta model)."""
+        mb = split_batch(flat, self.setup.batch, self.setup.microbatches * self.setup.dp)[0]
+        if self.on_meta:
+            mb = [v.to("meta") if isinstance(v, torch.Tensor) else v for v in mb]
+        return trace(self.model, *pytree.tree_unflatten(mb, spec), frontend=self.frontend)
+
     def setup_for(self, batch: int) -> feasibility.PipelineSetup:
         """The pipeline set-up for a global ``batch`` (checked: a PlanError before any communication)."""
         return self.setup if batch == self.setup.batch else feasibility.pipeline_setup(self.plan, batch)
@@ -147,12 +164,7 @@ class _Builder:
                 self.cuts = balanced_cuts(program, setup.n_stages, self.profile, self.dtype)
             if self.mesh.rank == 0:  # stages nearly empty or a large bubble: the numbers and a better plan, once
                 warn_pipeline(program, self.cuts, plan, setup, self.profile, self.dtype)
-        ctx = passes.PassContext(plan, self.mesh, self.device, cuts=self.cuts, stage_to_rank=list(setup.stage_to_rank),
-                                 load=self._load if self.weights is not None else None,
-                                 load_flat=self.weights.load_flat if self.weights is not None else None,
-                                 traced_on_meta=self.on_meta,
-                                 shared=self.shared, param_group=self.groups.index if self.groups else None,
-                                 compile_stage=None if self.priced else self._compile_stage)
+        ctx = self.context(setup)
         local, pipeline = passes.run(program, ctx)
         if not self.coverage_checked and self.mesh.rank == 0:  # a plan leaving big weights whole says so once
             self.coverage_checked = True
@@ -250,11 +262,18 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
     device = device if device is not None else launch.device_for_model(model)
     # cuts balanced and stage times predicted on this device's profile (fxpar.planner.auto.device_profile)
     profile = profile if profile is not None else auto.device_profile(torch.device(device))[0]
+    mesh = MeshSpec.for_plan(plan, rank)
     with liveness.guard("compile"):
-        compiled = _compile(model, plan, MeshSpec.for_plan(plan, rank), example_args, example_kwargs,
-                            optimizer=optimizer, device=device, profile=profile, frontend=frontend,
-                            timeout=timeout, program=program, weights=weights, dry=False,
-                            max_grad_norm=max_grad_norm, groups=groups)
+        check_not_taken(model, weights)
+        builder, actions, program = _prepare(model, plan, mesh, example_args, example_kwargs, optimizer=optimizer,
+                                             device=device, profile=profile, frontend=frontend, program=program,
+                                             weights=weights, priced=False, groups=groups)
+        device = builder.device
+        # this rank's process groups (they communicate)
+        device_mesh = None if mesh.world_size == 1 else mesh_groups(mesh, device.type, builder.setup.dp_axis)
+        compiled = CompiledModel(builder, model, plan, mesh, actions, example_args, example_kwargs, optimizer,
+                                 device=device, timeout=timeout, device_mesh=device_mesh, program=program,
+                                 max_grad_norm=max_grad_norm, param_groups=groups)
     compiled.autoplan = chosen if is_auto else None  # the ranked alternatives, for inspection
     trim_heap()  # what compiling freed goes back to the system, not kept as the heap's high-water mark
     return compiled
@@ -262,26 +281,29 @@ def compile(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), 
 
 def price(model: torch.nn.Module, plan: Plan | str, example_args: tuple = (), example_kwargs: dict | None = None,
           *, rank: int = 0, optimizer=None, profile: DeviceProfile | str | None = None, frontend: str = "auto",
-          weights=None, param_groups=None, device_model=None) -> CompiledModel:
+          weights=None, param_groups=None, device_model=None) -> PricedPlan:
     """What ``plan`` does on rank ``rank`` of its world, built on this one process without any process
-    group: stages, placements, collectives, buckets, memory and predicted times (``fxpar.inspect`` reads
-    them). The result cannot run; ``step`` and ``__call__`` raise. ``profile``: the device profile the cuts
-    are balanced and the times predicted on, as ``compile``'s (None: this machine's profile,
+    group: the priced plan (:class:`~fxpar.runtime.model.PricedPlan`): stages, placements, collectives,
+    buckets, memory and predicted times (``predicted``: the Estimate the planner ranks; ``fxpar.inspect``
+    reads them all). It has nothing to run: the pass list stops before Inductor. ``profile``: the device
+    profile the cuts are balanced and the times predicted on, as ``compile``'s (None: this machine's profile,
     :func:`fxpar.planner.auto.device_profile`; ``device_model=``: its deprecated spelling)."""
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     profile = auto.profile_arg(profile, device_model, "fxpar.api.price")
     profile = profile if profile is not None else auto.device_profile(None)[0]
     mesh = MeshSpec.for_plan(plan, rank)
-    priced = _compile(model, plan, mesh, example_args, example_kwargs, optimizer=optimizer, device=None,
-                      profile=profile, frontend=frontend, timeout=run_options().timeout, program=None,
-                      weights=weights, dry=True,
-                      groups=ParamGroups.from_rule(model, param_groups) if param_groups is not None else None)
+    groups = ParamGroups.from_rule(model, param_groups) if param_groups is not None else None
+    builder, actions, program = _prepare(model, plan, mesh, example_args, example_kwargs, optimizer=optimizer,
+                                         device=None, profile=profile, frontend=frontend, program=None,
+                                         weights=weights, priced=True, groups=groups)
+    priced = PricedPlan(builder, model, plan, mesh, actions, example_args, example_kwargs, optimizer,
+                        device=builder.device, program=program, param_groups=groups)
     if plan.ep > 1 and not priced.build.on_meta:  # the experts' load the example batch gives (ep.stats)
         priced.ep.set_load(_expert_load(priced, example_args, example_kwargs))
     return priced
 
 
-def _expert_load(priced: CompiledModel, example_args, example_kwargs) -> dict:
+def _expert_load(priced: PricedPlan, example_args, example_kwargs) -> dict:
     """Per MoE layer, ``[ep, E]``: the tokens each replica of ``priced``'s ep group routes to each expert in
     the example batch, from the traced program run on this process (``fxpar.passes.expert_parallel``)."""
     program, spec, m = priced.result.traced, priced.spec, priced.m
@@ -292,12 +314,11 @@ def _expert_load(priced: CompiledModel, example_args, example_kwargs) -> dict:
     return {layer: c.view(spec.ep, m, -1).sum(1) for layer, c in counts.items()}
 
 
-def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *, optimizer, device, profile,
-             frontend, timeout, program, weights, dry: bool,
-             max_grad_norm: float | None = None, groups: ParamGroups | None = None) -> CompiledModel:
+def _prepare(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *, optimizer, device, profile,
+             frontend, program, weights, priced: bool, groups: ParamGroups | None = None) -> tuple:
+    """(the builder, the schedule's actions, the first trace or ``program``) for rank ``mesh.rank``, every
+    check done and nothing communicated. ``priced``: for :func:`price` (no tensor taken, no Inductor)."""
     example_kwargs = dict(example_kwargs or {})
-    if not dry:
-        check_not_taken(model, weights)
     feasibility.check_optimizer_factory(plan, optimizer, groups)
     feasibility.warn_zero_with_pipeline(plan)
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -305,7 +326,7 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
     setup = feasibility.pipeline_setup(plan, batch_size(flat))
     actions = build_schedule(setup.schedule, plan.pp, setup.microbatches, setup.n_stages)
     source = WeightSource(model, weights, rank=mesh.tp_rank) if weights is not None else None
-    if plan.zero == 3 and source is None and not dry and _materialised(model):
+    if plan.zero == 3 and source is None and not priced and _materialised(model):
         # ZeRO-3 holds only its shards: the model's tensors are read as weights= would be, and freed
         source = WeightSource.taking(model, rank=mesh.tp_rank)
     try:  # the example batch's shape, for compiled.predicted (priced when read)
@@ -313,33 +334,15 @@ def _compile(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
     except PlanError as e:
         shape = e
     builder = _Builder(model, plan, mesh, setup, actions, device, profile, frontend, source, groups, shape,
-                       priced=dry)
-    if plan.ep > 1:  # the experts are found on the first trace, checked before any communication
-        program = _check_experts(builder, plan, flat, example_args, example_kwargs, program, weights)
-    device_mesh = None if dry or mesh.world_size == 1 else mesh_groups(mesh, device.type, setup.dp_axis)  # communicates
-    return CompiledModel(builder, model, plan, mesh, actions, example_args, example_kwargs, optimizer,
-                         device=device, timeout=timeout, device_mesh=device_mesh, program=program, dry=dry,
-                         max_grad_norm=max_grad_norm, param_groups=groups)
+                       priced=priced)
+    if plan.ep > 1:  # the EP pass's precondition, on the first trace (compile reuses it), before any communication
+        if program is None:
+            program = builder.trace_first(flat, pytree.tree_flatten((tuple(example_args), example_kwargs))[1])
+        passes.check(program, builder.context(setup))
+    return builder, actions, program
 
 
 def _materialised(model: torch.nn.Module) -> bool:
     tensors = [*model.parameters(), *model.buffers()]
     return bool(tensors) and not any(t.is_meta for t in tensors)
 
-
-def _check_experts(builder: _Builder, plan: Plan, flat, example_args, example_kwargs, program,
-                   weights) -> Program:
-    """``Plan(ep=N)``: trace one microbatch (unless given) and find its expert regions
-    (``fxpar.passes.expert_parallel``): a PlanError for a model without experts or an expert count ep does
-    not divide, before any communication. Returns the trace, which compile then reuses."""
-    if weights is not None:
-        raise PlanError(f"Plan(ep={plan.ep}) does not take weights= yet (expert slices are cut from a "
-                        "materialised model): build the model on a device (docs/expert_parallel.md)")
-    if program is None:
-        _, spec = pytree.tree_flatten((tuple(example_args), dict(example_kwargs)))
-        mb = split_batch(flat, builder.setup.batch, builder.setup.microbatches * builder.setup.dp)[0]
-        if builder.on_meta:
-            mb = [v.to("meta") if isinstance(v, torch.Tensor) else v for v in mb]
-        program = trace(builder.model, *pytree.tree_unflatten(mb, spec), frontend=builder.frontend)
-    expert_regions(program, plan.ep)
-    return program

@@ -15,12 +15,13 @@ import warnings
 
 import torch
 
+from fxpar.ir.errors import PlanError
 from fxpar.ir.program import Program
 from fxpar.ir.resolved import zero3_bucket_bytes
 from fxpar.ir.stage import PipelineProgram
 from fxpar.passes.collective_matmul import collective_matmul
 from fxpar.passes.drop_dtype_asserts import drop_dtype_asserts
-from fxpar.passes.expert_parallel import expert_parallel
+from fxpar.passes.expert_parallel import expert_parallel, expert_regions
 from fxpar.passes.fused_loss import fuse_loss
 from fxpar.passes.lower_collectives import lower_collectives
 from fxpar.passes.materialize_weights import materialize_weights
@@ -31,7 +32,7 @@ from fxpar.passes.runner import Pass, PassContext, PassOutputs, Runner
 from fxpar.passes.tensor_parallel import tensor_parallel
 from fxpar.passes.zero3 import zero3
 
-__all__ = ["PROGRAM_PASSES", "SPLIT", "STAGE_PASSES", "Pass", "PassContext", "PassOutputs", "run"]
+__all__ = ["PROGRAM_PASSES", "SPLIT", "STAGE_PASSES", "Pass", "PassContext", "PassOutputs", "check", "run"]
 
 
 def _fused_loss(program: Program, ctx: PassContext) -> Program:
@@ -59,6 +60,14 @@ def _expert_parallel(program: Program, ctx: PassContext) -> Program:
     program, ctx.shared["ep"] = expert_parallel(program, ctx.mesh.ep, ctx.mesh.ep_rank, ctx.group("ep"),
                                                 shards=ctx.shared.setdefault("ep_shards", {}))
     return program
+
+
+def _expert_parallel_check(program: Program, ctx: PassContext) -> None:
+    """The EP pass's precondition: expert regions whose expert count ep divides, in a materialised model."""
+    if ctx.load is not None:
+        raise PlanError(f"Plan(ep={ctx.mesh.ep}) does not take weights= yet (expert slices are cut from a "
+                        "materialised model): build the model on a device (docs/expert_parallel.md)")
+    expert_regions(program, ctx.mesh.ep)
 
 
 def _split(program: Program, ctx: PassContext) -> PipelineProgram:
@@ -113,7 +122,7 @@ PROGRAM_PASSES = (  # Program -> Program: the whole traced graph, the same on ev
     Pass("tensor_parallel", _tensor_parallel, when=lambda c: c.mesh.tp > 1),  # before the split: layers still whole
     # before the split too: each stage keeps its MoE layers' dispatch and combine; the EpResult goes to
     # ctx.shared["ep"] (the compiled model's gradient groups, statistics and checkpoints read it)
-    Pass("expert_parallel", _expert_parallel, when=lambda c: c.mesh.ep > 1),
+    Pass("expert_parallel", _expert_parallel, when=lambda c: c.mesh.ep > 1, check=_expert_parallel_check),
 )
 SPLIT = Pass("pipeline_split", _split)  # Program -> PipelineProgram; cuts chosen on the traced program (ctx.cuts)
 STAGE_PASSES = (  # StageSpec -> StageSpec, only the stages this rank runs, pass-major
@@ -137,6 +146,12 @@ STAGE_PASSES = (  # StageSpec -> StageSpec, only the stages this rank runs, pass
     # pricing its plan, has no ``compile_stage``)
     Pass("inductor", _inductor, when=lambda c: c.compile_stage is not None and c.plan.compiles_on(c.device)),
 )
+
+
+def check(program: Program, ctx: PassContext) -> None:
+    """The program passes' preconditions on the traced ``program`` (compile runs them on its first trace,
+    before any rank communicates): a PlanError where a pass the plan asks for cannot apply."""
+    Runner(ctx).check(PROGRAM_PASSES, program)
 
 
 def run(program: Program, ctx: PassContext) -> tuple[Program, PipelineProgram]:

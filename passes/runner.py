@@ -89,11 +89,14 @@ class PassContext:
 
 @dataclass(frozen=True)
 class Pass:
-    """One compiler pass: ``fn(obj, ctx) -> obj`` where ``when(ctx)`` holds."""
+    """One compiler pass: ``fn(obj, ctx) -> obj`` where ``when(ctx)`` holds. ``check(obj, ctx)``, its
+    precondition (a PlanError naming the module and the fix where the traced program does not meet it), runs
+    before ``fn`` and, through :func:`check`, on the first trace before any rank communicates."""
 
     name: str
     fn: Callable
     when: Callable[[PassContext], bool] = lambda ctx: True
+    check: Callable | None = None
 
 
 def _graph_of(obj) -> torch.fx.Graph | None:
@@ -130,6 +133,8 @@ class Runner:
         """Run one pass on one object (lint, time, dump, error context); the pass's result."""
         self._dump(p, "before", obj, suffix)
         start = time.perf_counter()
+        if p.check is not None:
+            p.check(obj, self.ctx)  # a PlanError: already names the module, the numbers and the fix
         try:
             result = p.fn(obj, self.ctx)
             stages = result.stages if isinstance(result, PipelineProgram) else []
@@ -144,6 +149,12 @@ class Runner:
                             done=list(self.done)) from e
         self._dump(p, "after", result, suffix)
         return result, time.perf_counter() - start
+
+    def check(self, passes, obj) -> None:
+        """The preconditions of ``passes`` that would run, on ``obj``, without running any pass."""
+        for p in passes:
+            if p.check is not None and self.runs(p):
+                p.check(obj, self.ctx)
 
     def run(self, passes, obj):
         """Program passes (or the split): each in turn on ``obj``."""

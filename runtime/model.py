@@ -1,4 +1,5 @@
-"""``CompiledModel``: a model compiled for one plan, on this rank; runs training steps and inference.
+"""``PricedPlan``: a plan compiled for one rank (what ``fxpar.api.price`` returns); ``CompiledModel``: a
+priced plan that runs training steps and inference.
 
 It composes small parts: the batch cut into microbatches (``fxpar.ir.batch``), the pipeline runtime,
 the data-parallel engine (DDP / ZeRO-1/2) or ZeRO-3's regathering (``fxpar.runtime.zero3``), the tied
@@ -42,47 +43,42 @@ from fxpar.runtime.pipeline import PipelineRuntime
 from fxpar.runtime.programs import ProgramCache
 from fxpar.runtime.state import canonical_names, full_state_dict
 from fxpar.runtime.tied import make_tied_groups, sum_tied_grads
+from fxpar.runtime.view import rank_view
 from fxpar.runtime.zero3 import Zero3Gatherer, Zero3Regather
 
 STEP_HEAP_SLACK = 64 * 2**20  # FXPAR_TRIM_STEP: a step gives the heap's free pages back past this (memtrack.trim_heap)
 
 
-class CompiledModel:
-    """A model compiled for one plan, on this rank. See :func:`fxpar.compile`."""
+class PricedPlan:
+    """A plan compiled for one rank, without running anything: its training signature's
+    :class:`~fxpar.ir.stage.CompileResult`, this rank's parameters' data-parallel layout and optimizer, and
+    the plan's price (``predicted``, ``memory()``). What :func:`fxpar.api.price` returns (built with no
+    process group) and what ``fxpar.inspect``, checkpoints and the planner read; :class:`CompiledModel`
+    adds running it.
+
+    ``runtime(result)``: what executes each signature's result (None: nothing runs); ``create_groups``:
+    whether the tied parameters' process groups are made (they communicate)."""
+
     def __init__(self, build: Build, model: torch.nn.Module, plan: Plan, mesh: MeshSpec, actions,
-                 example_args, example_kwargs, optimizer, *, device: torch.device, timeout: float,
-                 device_mesh=None, program: Program | None = None, dry: bool = False,
-                 max_grad_norm: float | None = None, param_groups: ParamGroups | None = None):
+                 example_args, example_kwargs, optimizer, *, device: torch.device, program: Program | None = None,
+                 param_groups: ParamGroups | None = None, runtime=None, create_groups: bool = False):
         setup = build.setup
-        self.model, self.plan, self.spec, self.setup = model, plan, mesh, setup
-        self.mesh = device_mesh  # torch's DeviceMesh (None on one rank, or when only pricing the plan)
+        self.model, self.plan, self.spec, self.setup, self.device = model, plan, mesh, setup, device
         self.world, self.rank = mesh.world_size, mesh.rank
         # data replicas and this rank's: dp x ep with expert parallelism (each ep rank its own slice)
         self.dp, self.tp, self.pp_rank, self.dp_rank, self.tp_rank = (
             mesh.replicas, plan.tp, mesh.pp_rank, mesh.replica_rank, mesh.tp_rank)
-        self.device, self.timeout, self.dry = device, timeout, dry
         self.schedule_name, self.schedule, self.m = setup.schedule, actions, setup.microbatches
         self.stage_to_rank = list(setup.stage_to_rank)
         self.build = build  # compiles each signature (fxpar.ir.build.Build); the runtime reads nothing else of it
-        self.steps = 0  # training steps run
-        self.programs = ProgramCache(build, build.setup_for, self._runtime)  # one per input shapes
+        self.programs = ProgramCache(build, build.setup_for, runtime or (lambda result: None))  # one per shapes
         self._train = self.programs.get(example_args, example_kwargs, program)[0]
-        self._tied_groups = make_tied_groups(self._train.pipeline, mesh, self.stage_to_rank, create=not dry)
-        named = self._my_named_parameters(self._train.pipeline)
+        self._tied_groups = make_tied_groups(self._train.pipeline, mesh, self.stage_to_rank, create=create_groups)
+        self._named = self._my_named_parameters(self._train.pipeline)
         # Plan(ep=N): what the EP pass cut, the last step's all-to-all bytes and experts' loads
         self.ep = ExpertParallelRecord(build.ep, self._train.program)
-        self.engine, self.optimizer = make_engine(named, optimizer, param_groups, self._train, plan, mesh,
+        self.engine, self.optimizer = make_engine(self._named, optimizer, param_groups, self._train, plan, mesh,
                                                   overlap=not self._tied_groups, experts=self.ep.expert_ids)
-        self.clipper = make_clipper(max_grad_norm, self._train, mesh, named, self.engine, device,
-                                    self.ep.info.experts if self.ep.info is not None else ())
-
-    # ---- building ----------------------------------------------------------------------------------
-    def _runtime(self, result: CompileResult) -> PipelineRuntime:
-        stage_fns = result.stage_fns or None  # Plan.compile: what the inductor pass made of this rank's stages
-        return PipelineRuntime(
-            result.pipeline, self.schedule, self.pp_rank, self.spec.pipeline_ranks(), None, self.device, self.timeout,
-            forward_context=Zero3Regather if self.plan.zero == 3 else None,
-            autocast_dtype=torch.bfloat16 if self.plan.mixed_precision == "bf16" else None, stage_fns=stage_fns)
 
     def _my_named_parameters(self, pipeline: PipelineProgram) -> list[tuple[str, torch.nn.Parameter]]:
         """(name in its stage, parameter) for the stages this rank runs, each parameter once."""
@@ -94,13 +90,83 @@ class CompiledModel:
                     out.append((n, p))
         return out
 
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds for parameters, gradients and optimizer states: ``predicted`` from parameter counts
+        (fp32 master weights); ``measured`` from the tensors once a step has run (never for a priced plan)."""
+        program, n = self._train.program, 0
+        for s in self._train.pipeline.stages_of(self.pp_rank):  # trainable tensors of each stage, whole
+            n += sum(t.numel() for t in {id(t): t for t in map(program.tensor, s.params) if t.requires_grad}.values())
+        out = {"predicted": self.build.predict_memory(n, state_count(self.optimizer))}
+        measured = self._measured()
+        if measured is not None:
+            out["measured"] = measured
+        return out
+
+    def _measured(self) -> dict[str, int] | None:
+        return None  # nothing ran
+
+    @property
+    def cuts(self) -> list[tuple[str, str]]:
+        """The pipeline cuts (chosen on the first trace, kept for every later signature)."""
+        return self.build.cuts
+
+    @property
+    def pipeline(self) -> PipelineProgram:
+        return self._train.pipeline
+
+    @property
+    def program(self) -> Program:
+        return self._train.program
+
+    @property
+    def result(self) -> CompileResult:
+        """What compile produced for the training signature (typed; read by inspection and checkpoints)."""
+        return self._train
+
+    @property
+    def tp_info(self):
+        """The TP pass's result for this rank (which parameters it sharded, their layouts; empty without TP)."""
+        return self._train.tp
+
+    @property
+    def predicted(self):  # fxpar.price's Estimate of the plan for the example batch, priced on first read
+        return self.build.estimate()
+
+    view = rank_view  # what inspection reads of it: a typed RankView (fxpar.runtime.view)
+
+    @property
+    def zero3_buckets(self) -> dict[int, list]:
+        return self._train.zero3_buckets
+
+
+class CompiledModel(PricedPlan):
+    """A model compiled for one plan, on this rank: a :class:`PricedPlan` that runs training steps
+    (``step``), inference (``__call__``, ``generate``) and gathers the full state. See :func:`fxpar.compile`."""
+
+    def __init__(self, build: Build, model: torch.nn.Module, plan: Plan, mesh: MeshSpec, actions,
+                 example_args, example_kwargs, optimizer, *, device: torch.device, timeout: float,
+                 device_mesh=None, program: Program | None = None,
+                 max_grad_norm: float | None = None, param_groups: ParamGroups | None = None):
+        self.mesh = device_mesh  # torch's DeviceMesh (None on one rank)
+        self.timeout = timeout
+        self.steps = 0  # training steps run
+        super().__init__(build, model, plan, mesh, actions, example_args, example_kwargs, optimizer, device=device,
+                         program=program, param_groups=param_groups, runtime=self._runtime, create_groups=True)
+        self.clipper = make_clipper(max_grad_norm, self._train, mesh, self._named, self.engine, device,
+                                    self.ep.info.experts if self.ep.info is not None else ())
+
+    # ---- building ----------------------------------------------------------------------------------
+    def _runtime(self, result: CompileResult) -> PipelineRuntime:
+        stage_fns = result.stage_fns or None  # Plan.compile: what the inductor pass made of this rank's stages
+        return PipelineRuntime(
+            result.pipeline, self.schedule, self.pp_rank, self.spec.pipeline_ranks(), None, self.device, self.timeout,
+            forward_context=Zero3Regather if self.plan.zero == 3 else None,
+            autocast_dtype=torch.bfloat16 if self.plan.mixed_precision == "bf16" else None, stage_fns=stage_fns)
+
     # ---- running -----------------------------------------------------------------------------------
     def _microbatches(self, result: CompileResult, setup, args, kwargs) -> list[list]:
         """Every data-parallel rank's microbatches of the global batch, dp rank-major (rank d owns
         ``[d * m, (d + 1) * m)``), each checked against the shapes its program was traced for."""
-        if self.dry:
-            raise PlanError("this compiled model only prices its plan (built without process groups); "
-                            "compile it under torchrun to run it")
         flat = result.program.flatten_inputs(tuple(args), dict(kwargs))
         batch = batch_size(flat)
         if batch != setup.batch:
@@ -202,49 +268,12 @@ class CompiledModel:
                               self.spec.shard_group_name(), self.spec.dp_shard, grads) if self.plan.zero == 3 else None
         return full_state_dict(self._train, self.model, self.spec, self.device, grads, ep=self.ep.info, zero3=zero3)
 
-    def memory(self) -> dict[str, dict[str, int]]:
-        """Bytes this rank holds for parameters, gradients and optimizer states: ``predicted`` from parameter counts
-        (fp32 master weights); ``measured`` from the tensors once a step has run (never for a priced plan)."""
-        program, n = self._train.program, 0
-        for s in self._train.pipeline.stages_of(self.pp_rank):  # trainable tensors of each stage, whole
-            n += sum(t.numel() for t in {id(t): t for t in map(program.tensor, s.params) if t.requires_grad}.values())
-        out = {"predicted": self.build.predict_memory(n, state_count(self.optimizer))}
-        measured = None if self.dry else self.engine.memory() if self.engine is not None else held_bytes(
+    def _measured(self) -> dict[str, int] | None:
+        """This rank's held bytes once a step has run (the engine's, or its parameters' and optimizer's)."""
+        if not self.steps:
+            return None
+        return self.engine.memory() if self.engine is not None else held_bytes(
             [p for _, p in self._my_named_parameters(self._train.pipeline)], self.optimizer)
-        if measured is not None and self.steps:
-            out["measured"] = measured
-        return out
-
-    @property
-    def cuts(self) -> list[tuple[str, str]]:
-        """The pipeline cuts (chosen on the first trace, kept for every later signature)."""
-        return self.build.cuts
-
-    @property
-    def pipeline(self) -> PipelineProgram:
-        return self._train.pipeline
-
-    @property
-    def program(self) -> Program:
-        return self._train.program
-
-    @property
-    def result(self) -> CompileResult:
-        """What compile produced for the training signature (typed; read by inspection and checkpoints)."""
-        return self._train
-
-    @property
-    def tp_info(self):
-        """The TP pass's result for this rank (which parameters it sharded, their layouts; empty without TP)."""
-        return self._train.tp
-
-    @property
-    def predicted(self):  # fxpar.price's Estimate of the plan for the example batch, priced on first read
-        return self.build.estimate()
-
-    @property
-    def zero3_buckets(self) -> dict[int, list]:
-        return self._train.zero3_buckets
 
 
 def make_engine(named, factory, groups: ParamGroups | None, result: CompileResult, plan: Plan, mesh: MeshSpec,

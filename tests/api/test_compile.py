@@ -77,3 +77,15 @@ def test_inductor_is_the_last_pass_of_the_list_and_the_runtime_runs_what_it_made
     assert dumps == ["03-inductor.stage0.after.txt", "03-inductor.stage0.before.txt"], dumps
     runtime = compiled.programs.get((), batch)[1]
     assert runtime.stage_fns[0] is compiled.result.stage_fns[0]
+
+
+def test_price_returns_a_priced_plan_with_nothing_to_run():
+    """fxpar.api.price builds the plan's rank without a runtime: a PricedPlan (the reading half of a compiled
+    model, its Estimate as ``predicted``), not a CompiledModel whose ``step`` could only raise."""
+    from fxpar.runtime.model import PricedPlan
+
+    batch = zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=4, seq=8)
+    priced = price(zoo.build("llama", seed=0), "dp=2", example_kwargs=batch, optimizer=sgd)
+    assert isinstance(priced, PricedPlan) and not isinstance(priced, fxpar.CompiledModel)
+    assert not hasattr(priced, "step") and not callable(priced) and priced.programs.get((), batch)[1] is None
+    assert priced.memory()["predicted"] and "measured" not in priced.memory()

@@ -82,3 +82,20 @@ def test_a_pass_that_breaks_the_graph_fails_lint(program):
 
     with pytest.raises(PassError, match="'dangling' pass"):
         Runner(_ctx()).run([Pass("dangling", dangling)], gm)
+
+
+def test_a_pass_precondition_runs_before_it_and_before_any_communication(program):
+    """``Pass.check``: the runner calls it before the pass (which then never starts), and ``passes.check``
+    runs the program passes' preconditions alone, only of passes the plan runs: the EP pass's on a model
+    without experts names it, as compile does on its first trace before any process group exists."""
+    ran = []
+
+    def refuses(p, ctx):
+        raise PlanError("no experts here")
+
+    with pytest.raises(PlanError, match="^no experts here$"):
+        Runner(_ctx()).run([Pass("guarded", lambda p, c: ran.append(p) or p, check=refuses)], program)
+    assert ran == []
+    passes.check(program, _ctx("dp=2"))  # ep=1: the EP pass does not run, nor does its check
+    with pytest.raises(PlanError, match=r"Plan\(ep=2\): .* has no expert layers"):
+        passes.check(program, _ctx("ep=2"))
