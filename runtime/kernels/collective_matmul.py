@@ -4,7 +4,7 @@
 Reads: activations sharded (or to be reduce-scattered) along a token dim ``dim`` over the group named
 ``group`` (resolved by :mod:`fxpar.runtime.groups`), ``aten.linear`` weights and biases, a chunk count.
 Writes: the kernels of the ops :mod:`fxpar.ir.collective_matmul_ops` declares (importing this module
-registers them, for every device); :data:`EVENTS`, when a test sets it.
+registers them, for every device); the issue order inside :func:`recording`.
 
 Sequence parallelism puts an all-gather before each column-parallel block and a reduce-scatter after
 each row-parallel one, and the plain kernels (:mod:`fxpar.runtime.collectives`) wait inside: the matmul
