@@ -165,7 +165,6 @@ class Pricer:
                             ("kout", 9), ("ef", 10), ("eb", 11), ("eparams", 12), ("esent", 13)):
                 got[name].append(sum(k[i] * f for k, f in ks))
             got["trans"].append(max(k[7] for k, _ in ks))
-            got["params"][-1] += _borrowed(self, units, tp, sp)
             # what a cut after the stage sends: at a part's end the part's bytes (on this tp), mid-part the
             # unsharded segment's
             nxt = self.segments[e] if e < len(self.segments) else None
@@ -297,18 +296,6 @@ def _tensors(self: Pricer, stages: list[int], n_stages: int, b: int, dtype: str)
             self._kinds[key] = sum(1 for n in self.costs.part(self.names[i], 1, False).nodes if n[3] > 0)
         total += self._kinds[key]
     return total
-
-
-def _borrowed(self: Pricer, units: dict[int, float], tp: int, sp: bool) -> int:
-    """Entries of the weights a stage's parts read that another part, not in the stage, counts (a tied
-    embedding and head on the first and the last pipeline stage: each holds a copy)."""
-    present = {self.names[i] for i in units}
-    extra: dict[str, int] = {}
-    for i in units:
-        for name, (owner, n) in self.costs.part(self.names[i], tp, sp).borrowed.items():
-            if owner not in present:
-                extra[name] = n
-    return sum(extra.values())
 
 
 def _runtime(self: Pricer, plan: Plan, stages: list[int], params: list, gbytes: int, world: int, cut: tuple):
