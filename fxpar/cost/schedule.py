@@ -166,14 +166,16 @@ def closed_form(schedule: str, pp: int, m: int, v: int, f: list[float], b: list[
         wr[r] += w[s]
     top = max(per)
     mean = sum(per) / pp
-    hops = 2 * (pp * v - 1) - (2 if schedule_record(name).placement == "v" else 0)  # the V's turn stays on one rank
-    if name == "gpipe":
+    rec = schedule_record(name)
+    form = rec.closed_forms[0]
+    hops = 2 * (pp * v - 1) - (2 if rec.placement == "v" else 0)  # the V's turn stays on one rank
+    if form == "gpipe":
         fill = (pp - 1) * mean
         hops = 2 * (pp - 1)
-    elif name == "1f1b":
+    elif form == "1f1b":
         fill = (pp - 1) * mean
         hops = 2 * (pp - 1) + (m - 1) * 2 * (1 - 1 / pp)  # steady state waits a transfer each way
-    elif name == "interleaved_1f1b":
+    elif form == "interleaved":
         fill = (pp - 1) * mean / v
     else:  # zero bubble: the weight gradients fill the cool-down
         fill = (pp - 1) * (mean - 2 * sum(wr) / pp) / v
@@ -235,13 +237,13 @@ def peak_activation(schedule: str, pp: int, m: int, v: int, kept: list[list[floa
         at = moments(name, pp, m, v)
         return [max(sum(c * k for c, k in zip(live, kept[r])) + (transient[r][t] if t >= 0 else 0.0)
                     for live, t, _, _ in at[r]) for r in range(pp)]
-    out = []
+    out, form = [], schedule_record(name).closed_forms[1]
     for r in range(pp):
-        if name == "gpipe":
+        if form == "gpipe":
             flight = m
-        elif name == "1f1b":
+        elif form == "1f1b":
             flight = min(m, pp - r)
-        elif name == "interleaved_1f1b":  # the extra warm-up round of chunks
+        elif form == "interleaved":  # the extra warm-up round of chunks
             flight = min(m, pp - r + (pp - 1) / v)
         else:  # zero-bubble schedules hold pp microbatches on every rank
             flight = min(m, pp)

@@ -33,7 +33,9 @@ class Schedule:
     ``"loop"`` (stage s on rank s % pp) or ``"v"`` (down the ranks and back up); ``split_backward``: backward
     runs as I and W actions (two autograd passes); ``torch_class``: the torch.distributed.pipelining class
     whose ``pipeline_order`` it takes (None: generated here); ``aliases``: other spellings (lower case, no
-    separators); ``searched``: whether the planner's search tries it."""
+    separators); ``searched``: whether the planner's search tries it; ``closed_forms``: the closed forms
+    (``fxpar.cost.schedule``: gpipe, 1f1b, interleaved, zero_bubble) of its makespan and of its microbatches
+    in flight, used above the cost model's exact limit."""
 
     name: str
     stages: int | None
@@ -42,6 +44,7 @@ class Schedule:
     torch_class: str | None = None
     aliases: tuple[str, ...] = ()
     searched: bool = True
+    closed_forms: tuple[str, str] = ("interleaved", "interleaved")
 
     @property
     def actions_per_microbatch(self) -> int:  # compute actions per stage and microbatch: F, B or F, I, W
@@ -50,14 +53,15 @@ class Schedule:
 
 # The one table of schedules (read by build_schedule, the recompute pass, the cost model, the planner's search)
 SCHEDULE_RECORDS: dict[str, Schedule] = {s.name: s for s in (
-    Schedule("gpipe", 1),
-    Schedule("1f1b", 1, aliases=("onefoneb",)),
+    Schedule("gpipe", 1, closed_forms=("gpipe", "gpipe")),
+    Schedule("1f1b", 1, aliases=("onefoneb",), closed_forms=("1f1b", "1f1b")),
     Schedule("interleaved_1f1b", None, torch_class="ScheduleInterleaved1F1B", aliases=("interleaved",)),
     Schedule("zbv", 2, placement="v", split_backward=True, torch_class="ScheduleZBVZeroBubble",
-             aliases=("zbvzerobubble", "zerobubblev")),
+             aliases=("zbvzerobubble", "zerobubblev"), closed_forms=("zero_bubble", "zero_bubble")),
     Schedule("interleaved_zb", None, split_backward=True, torch_class="ScheduleInterleavedZeroBubble",
-             aliases=("interleavedzerobubble", "zb1p")),
-    Schedule("looped_bfs", None, torch_class="ScheduleLoopedBFS", searched=False),  # no closed form priced yet
+             aliases=("interleavedzerobubble", "zb1p"), closed_forms=("zero_bubble", "zero_bubble")),
+    Schedule("looped_bfs", None, torch_class="ScheduleLoopedBFS", searched=False,
+             closed_forms=("zero_bubble", "zero_bubble")),
 )}
 SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_RECORDS)
 SPLIT_BACKWARD = frozenset(s.name for s in SCHEDULE_RECORDS.values() if s.split_backward)
@@ -111,17 +115,13 @@ def stages_per_rank(schedule: str, virtual: int | None) -> int:
     if virtual is not None and (not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1):
         raise PlanError(f"schedule {name!r}: stages per rank must be an int >= 1, got {virtual!r}")
     fixed = SCHEDULE_RECORDS[name].stages
-    if fixed == 1:
-        if virtual not in (None, 1):
-            raise PlanError(f"schedule {name!r} runs one stage per rank, got {virtual} stages per rank; "
-                            f"use 'interleaved_1f1b' or 'interleaved_zb' for several stages per rank")
-        return 1
-    if fixed is not None:
-        if virtual not in (None, fixed):
-            raise PlanError(f"schedule {name!r} needs exactly {fixed} stages per rank (a V), got {virtual}; "
-                            f"use 'interleaved_zb' for another number of stages per rank")
-        return fixed
-    return 2 if virtual is None else virtual
+    if fixed == 1 and virtual not in (None, 1):
+        raise PlanError(f"schedule {name!r} runs one stage per rank, got {virtual} stages per rank; "
+                        f"use 'interleaved_1f1b' or 'interleaved_zb' for several stages per rank")
+    if fixed is not None and virtual not in (None, fixed):
+        raise PlanError(f"schedule {name!r} needs exactly {fixed} stages per rank (a V), got {virtual}; "
+                        f"use 'interleaved_zb' for another number of stages per rank")
+    return fixed or (2 if virtual is None else virtual)
 
 
 def microbatches(plan) -> int:
