@@ -61,7 +61,7 @@ SCHEDULE_RECORDS: dict[str, Schedule] = {s.name: s for s in (
     Schedule("interleaved_zb", None, split_backward=True, torch_class="ScheduleInterleavedZeroBubble",
              aliases=("interleavedzerobubble", "zb1p"), closed_forms=("zero_bubble", "zero_bubble")),
     Schedule("looped_bfs", None, torch_class="ScheduleLoopedBFS", searched=False,
-             closed_forms=("zero_bubble", "zero_bubble")),
+             closed_forms=("interleaved", "gpipe")),  # interleaved's fill, gpipe's m in flight
 )}
 SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_RECORDS)
 SPLIT_BACKWARD = frozenset(s.name for s in SCHEDULE_RECORDS.values() if s.split_backward)
