@@ -26,6 +26,7 @@ import torch.fx
 
 from fxpar.ir import meta
 from fxpar.ir.op_classes import PASS_THROUGH, is_pointwise, packet
+from fxpar.passes.tensor_parallel.dim_moves import relabel
 
 aten = torch.ops.aten
 Origin = tuple[str, tuple]  # (parameter FQN, the parameter's dim at each dim of the value, None: a new dim)
@@ -51,14 +52,8 @@ def param_origins(program) -> dict[torch.fx.Node, Origin]:
         pkt = packet(node)
         if pkt in PASS_THROUGH or (is_pointwise(node) and tuple(v.shape) == tuple(src.meta[meta.VAL].shape)):
             out[node] = (fqn, dims)
-        elif pkt is aten.unsqueeze:
-            at = node.args[1] % v.dim()
-            out[node] = (fqn, dims[:at] + (None,) + dims[at:])
-        elif pkt is aten.squeeze:
-            shape = src.meta[meta.VAL].shape
-            gone = [d % len(shape) for d in ([node.args[1]] if len(node.args) > 1 and isinstance(node.args[1], int)
-                                             else node.args[1] if len(node.args) > 1 else range(len(shape)))]
-            out[node] = (fqn, tuple(p for i, p in enumerate(dims) if not (i in gone and shape[i] == 1)))
+        elif pkt in (aten.unsqueeze, aten.squeeze):  # a dim added (None: no parameter dim), size-1 dims dropped
+            out[node] = (fqn, relabel(node, dims))
     return out
 
 

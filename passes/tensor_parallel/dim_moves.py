@@ -110,3 +110,14 @@ def _shape(node) -> tuple:
 def moved(node: torch.fx.Node, d: int) -> int | None:
     """The dim of traced ``node``'s output that carries dim ``d`` of its first input (shapes from ``val``)."""
     return dim_after(packet(node), node.args, node.kwargs, _shape(node.args[0]), _shape(node), d)
+
+
+def relabel(node: torch.fx.Node, labels: tuple) -> tuple:
+    """``labels`` (one per dim of ``node``'s first input: the parameter dim each is) at the output dims the
+    table puts them on; None at the output's new dims."""
+    out = [None] * len(_shape(node))
+    for i, label in enumerate(labels):
+        od = moved(node, i)
+        if od is not None:
+            out[od] = label
+    return tuple(out)

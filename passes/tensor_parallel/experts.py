@@ -55,6 +55,7 @@ from fxpar.ir.op_classes import (
     packet,
 )
 from fxpar.ir.program import Program
+from fxpar.passes.tensor_parallel.dim_moves import moved, relabel
 from fxpar.passes.tensor_parallel.layouts import slice_bounds, split_args
 
 aten = torch.ops.aten
@@ -188,10 +189,7 @@ def param_dims(node) -> tuple[torch.fx.Node, tuple] | None:
     if pkt in PASS_THROUGH - {aten.dropout}:
         return src
     if pkt in (aten.transpose, aten.t):
-        a, b = (node.args[1] % len(dims), node.args[2] % len(dims)) if pkt is aten.transpose else (0, 1)
-        dims = list(dims)
-        dims[a], dims[b] = dims[b], dims[a]
-        return p, tuple(dims)
+        return p, relabel(node, dims)
     if pkt is aten.select and node.args[1] % len(dims) == 0:
         return p, dims[1:]
     if pkt is aten.index and len(node.args[1]) == 1 and node.args[1][0] is not None:
@@ -250,14 +248,8 @@ def _follow(user: torch.fx.Node, src: torch.fx.Node, f: int, uv) -> int | None:
     nd_in, nd_out = _ndim(src), uv.dim()
     if pkt in PASS_THROUGH or (user.op == "call_function" and is_pointwise(user)):
         return f + nd_out - nd_in
-    if pkt is aten.unsqueeze:
-        at = user.args[1] % nd_out
-        return f + 1 if at <= f else f
-    if pkt is aten.squeeze:
-        removed = [d for d in range(nd_in) if d != f and src.meta[meta.VAL].shape[d] == 1
-                   and (len(user.args) < 2 or d in [x % nd_in for x in (
-                       user.args[1] if isinstance(user.args[1], (list, tuple)) else [user.args[1]])])]
-        return f - sum(d < f for d in removed) if nd_in - nd_out == len(removed) else None
+    if pkt in (aten.unsqueeze, aten.squeeze):  # a size-1 dim added or dropped (the features, if dropped, stop)
+        return moved(user, f)
     if pkt in RESHAPES and f == nd_in - 1 and uv.shape[-1] == src.meta[meta.VAL].shape[f]:
         return nd_out - 1
     if pkt is aten.cat and (user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)) % nd_out != f:

@@ -10,7 +10,7 @@ import torch
 
 from fxpar.ir import meta
 from fxpar.ir.op_classes import DIM_MOVES_AND_CUTS, RESHAPES
-from fxpar.passes.tensor_parallel.dim_moves import DIM_MAPS, moved
+from fxpar.passes.tensor_parallel.dim_moves import DIM_MAPS, moved, relabel
 
 aten = torch.ops.aten
 
@@ -77,3 +77,10 @@ def test_a_dim_merged_or_cut_does_not_pass(op, args, shape, d):
 
 def test_the_table_holds_every_op_the_pair_inference_follows():
     assert set(DIM_MAPS) == set(RESHAPES | DIM_MOVES_AND_CUTS)
+
+
+def test_labels_follow_their_dims():
+    """What channels.py and experts.py track: the parameter dim at each dim, through the table."""
+    assert relabel(_node(aten.transpose.int, (0, 2), (2, 3, 4)), ("a", "b", "c")) == ("c", "b", "a")
+    assert relabel(_node(aten.unsqueeze.default, (1,), (2, 3)), ("a", "b")) == ("a", None, "b")
+    assert relabel(_node(aten.squeeze.dims, ([0, 1],), (1, 3, 4)), ("a", "b", "c")) == ("b", "c")
