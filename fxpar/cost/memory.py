@@ -19,6 +19,7 @@ from fxpar.cost.overheads import comm_share
 from fxpar.cost.schedule import moments, peak_activation
 from fxpar.ir.plan import Plan
 from fxpar.ir.resolved import DEFAULT_BUCKET_BYTES, microbatch_size
+from fxpar.ir.schedule import schedule_record
 
 __all__ = ["ADAM_BYTES", "ADAM_STATES", "BUCKET", "activation_peaks", "fused_saving", "moments", "optimizer_transient",
            "per_rank", "state_bytes", "step_grads"]
@@ -53,12 +54,13 @@ def activation_peaks(name: str, pp: int, m: int, v: int, mine, kept, trans, kout
     by then, at every moment of its schedule (:func:`fxpar.cost.schedule.moments`); above the exact limit, the in-flight
     bound with every microbatch's outputs and, but for GPipe, the gradients held through the steady state."""
     if not exact:
+        all_forwards_first = schedule_record(name).closed_forms[1] == "gpipe"  # no gradient before the last forward
         base = peak_activation(name, pp, m, v, [[kept[s] for s in st] for st in mine],
                                [[trans[s] for s in st] for st in mine], exact=False)
         out = []
         for r, st in enumerate(mine):
             a, g = base[r] + m * sum(kout[s] for s in st), 4 * sum(params[s] for s in st)
-            out.append((a, max(a, g + m * sum(kout[s] for s in st)) if name == "gpipe" else a + g))
+            out.append((a, max(a, g + m * sum(kout[s] for s in st)) if all_forwards_first else a + g))
         return out
     out = []
     for r, st in enumerate(mine):
