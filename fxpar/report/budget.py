@@ -13,6 +13,7 @@ from fxpar.cost.comm import data_parallel_collectives, pipeline_transfers, step_
 from fxpar.cost.predict import RECOMPUTE, activation_memory
 from fxpar.ir import meta
 from fxpar.ir.program import Program, iter_nodes
+from fxpar.ir.rank_view import view_of
 from fxpar.report.table import columns, human
 
 
@@ -26,24 +27,26 @@ def graph_flops(gm) -> tuple[int, int]:
 
 
 def stage_flops(compiled) -> list[dict]:
-    """Per pipeline stage: forward and backward FLOPs of one microbatch on one TP rank."""
+    """Per pipeline stage: forward and backward FLOPs of one microbatch on one TP rank (``compiled``: a
+    :class:`~fxpar.ir.rank_view.RankView` or a model giving one)."""
     rows = []
-    for s in compiled.pipeline.stages:
+    for s in view_of(compiled).pipeline.stages:
         fwd, bwd = graph_flops(s.gm)
         rows.append({"stage": s.index, "pp_rank": s.rank, "flops": fwd, "bwd_flops": bwd})
     return rows
 
 
 def format_flops(compiled) -> str:
-    rows = stage_flops(compiled)
-    tp, m = compiled.plan.tp, compiled.m
-    fwd, bwd = graph_flops(compiled.result.traced.gm)
+    v = view_of(compiled)
+    rows = stage_flops(v)
+    tp, m = v.plan.tp, v.microbatches
+    fwd, bwd = graph_flops(v.result.traced.gm)
     lines = [("stage", "pp rank", "fwd FLOPs", "bwd FLOPs")]
     lines += [(str(r["stage"]), str(r["pp_rank"]), human(r["flops"]), human(r["bwd_flops"])) for r in rows]
-    mine = [r for r in rows if r["pp_rank"] == compiled.pp_rank]
+    mine = [r for r in rows if r["pp_rank"] == v.pp_rank]
     text = [f"compute per microbatch on one TP rank (unsharded model: forward {human(fwd)}FLOPs, backward "
             f"{human(bwd)}FLOPs{f', over tp={tp}' if tp > 1 else ''})", "", columns(lines, left=-1)]
-    text.append(f"pp rank {compiled.pp_rank} per step ({m} microbatches): forward "
+    text.append(f"pp rank {v.pp_rank} per step ({m} microbatches): forward "
                 f"{human(m * sum(r['flops'] for r in mine))}FLOPs, backward "
                 f"{human(m * sum(r['bwd_flops'] for r in mine))}FLOPs")
     return "\n".join(text)
@@ -51,8 +54,9 @@ def format_flops(compiled) -> str:
 
 def trainable(compiled) -> tuple[int, int]:
     """(entries, bytes per entry) of the trainable tensors this rank's stages hold, each tensor once."""
-    program, seen = compiled.program, {}
-    for s in compiled.pipeline.stages_of(compiled.pp_rank):
+    v = view_of(compiled)
+    program, seen = v.program, {}
+    for s in v.my_stages():
         for fqn in s.params:
             t = program.tensor(fqn)
             if t.requires_grad:
@@ -65,11 +69,12 @@ def communication(compiled) -> list[dict]:
     """Predicted communication of one training step on this rank: TP and ZeRO-3 collectives in the
     graphs, the data-parallel engine's reductions and gathers, and the pipeline's sends (rows of
     :func:`fxpar.cost.comm.step_collectives`)."""
-    plan, stages = compiled.plan, compiled.pipeline.stages_of(compiled.pp_rank)
-    numel, size = trainable(compiled)
-    return (step_collectives([s.gm for s in stages], compiled.m)
+    v = view_of(compiled)
+    plan, stages = v.plan, v.my_stages()
+    numel, size = trainable(v)
+    return (step_collectives([s.gm for s in stages], v.microbatches)
             + data_parallel_collectives(numel, size, plan.dp, plan.zero, plan.dp_replicate)
-            + pipeline_transfers(stages, compiled.m))
+            + pipeline_transfers(stages, v.microbatches))
 
 
 def format_communication(rows: list[dict], microbatches: int, measured: dict | None = None) -> str:
@@ -99,9 +104,9 @@ def activations(program: Program, compiled=None) -> dict:
     compiled model, of one forward and backward of the whole program for a traced one."""
     if compiled is None:
         return activation_memory(program)
-    stages = {s.index: {n.name for n in iter_nodes(s.gm) if n.op == "call_function"}
-              for s in compiled.pipeline.stages_of(compiled.pp_rank)}
-    return activation_memory(compiled.program, stages, compiled.schedule[compiled.pp_rank])
+    v = view_of(compiled)
+    stages = {s.index: {n.name for n in iter_nodes(s.gm) if n.op == "call_function"} for s in v.my_stages()}
+    return activation_memory(v.program, stages, v.actions)
 
 
 def format_activations(acts: dict, chosen: str | None = None, context: str = "") -> str:

@@ -19,6 +19,7 @@ import torch
 
 from fxpar.ir.kernel_catalogue import KERNELS
 from fxpar.ir.ops import collective_kind
+from fxpar.ir.rank_view import view_of
 
 
 def kernel_path(device: torch.device | str) -> str:
@@ -30,9 +31,10 @@ def kernel_path(device: torch.device | str) -> str:
 def kernel_rows(compiled) -> list[dict]:
     """One row per kernel this rank runs: name, where (stage graphs or the data-parallel engine), how
     many call sites, what it does, and the path on this rank's device."""
-    path = kernel_path(getattr(compiled, "device", "cpu"))
+    v = view_of(compiled)
+    path = kernel_path(v.device)
     found: Counter = Counter()
-    for stage in compiled.pipeline.stages_of(compiled.pp_rank):
+    for stage in v.my_stages():
         for gm in (m for m in stage.gm.modules() if isinstance(m, torch.fx.GraphModule)):
             for node in gm.graph.nodes:
                 name = _fused_name(node)
@@ -44,8 +46,8 @@ def kernel_rows(compiled) -> list[dict]:
     rows = [{"kernel": name, "where": where, "sites": n, "what": _what(name),
              "path": path if name not in KERNELS or KERNELS[name].triton else "torch"}
             for (name, where), n in sorted(found.items())]
-    engine = getattr(compiled, "engine", None)
-    for name in getattr(engine, "kernels", ()):  # the engine names the bucket kernels it launches
+    engine = v.data_parallel
+    for name in engine.kernels if engine is not None else ():  # the engine names the bucket kernels it launches
         rows.append({"kernel": name, "where": "data-parallel engine", "sites": len(engine.buckets),
                      "what": _what(name), "path": path})
     return rows

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fxpar.ir import meta
 from fxpar.ir.program import Program
+from fxpar.ir.rank_view import RankView, view_of
 from fxpar.report import budget
 from fxpar.report.collectives import collective_rows, format_collective_rows
 from fxpar.report.graph import graph_text, module_text, partition_dot, write_dot, write_picture
@@ -25,18 +26,18 @@ class Report:
     depth: int | None = 3
     module: str | None = None
     pictures: list[Path] = field(default_factory=list)
-    compiled: object | None = None  # a CompiledModel: adds the stage table
+    compiled: RankView | None = None  # a compiled model on this rank (compiled.view()): adds the stage table
 
     @property
     def stages(self) -> list[dict]:
         if self.compiled is None:
             return []
         params = self.program.params
-        return stage_rows(self.compiled.pipeline, lambda f: params[f].numel, getattr(self.compiled, "spec", None))
+        return stage_rows(self.compiled.pipeline, lambda f: params[f].numel, self.compiled.mesh)
 
     def stage_table(self) -> str:
         c = self.compiled
-        return format_stage_table(self.stages, predicted_step(c), c.schedule_name, c.m)
+        return format_stage_table(self.stages, predicted_step(c), c.schedule, c.microbatches)
 
     def collectives(self) -> list[dict]:
         """Per layer: collectives of this rank's program in forward and backward, and their bytes."""
@@ -59,16 +60,15 @@ class Report:
         if c.plan.zero == 3:
             buckets = [{"stage": s, "params": len(b.names), "first": b.names[0], "bytes": b.shard_numel * b.dp *
                         b.shard.element_size(), "shard_bytes": b.shard_numel * b.shard.element_size()}
-                       for s, bs in sorted(c.zero3_buckets.items()) for b in bs]
+                       for s, bs in sorted(c.result.zero3_buckets.items()) for b in bs]
         else:
-            e = c.engine
-            buckets = [{"params": len(b.names), "first": b.names[0],
-                        "bytes": b.shard_numel * b.dp * b.params[0].element_size(),
-                        "shard_bytes": b.shard_numel * 4 if b.shard is not None else 0} for b in e.buckets]
+            e = c.data_parallel
+            buckets = [{"params": b.params, "first": b.first, "bytes": b.bytes, "shard_bytes": b.shard_bytes}
+                       for b in e.buckets]
             measured = {k: v for k, v in e.comm.items() if v}
-        groups = {"shard": c.spec.shard_group_name(), "replicate": c.spec.replicate_group_name()}  # HSDP's two
-        return {"zero": c.plan.zero, "dp": c.dp, "dp_replicate": c.plan.dp_replicate, "groups": groups,
-                "buckets": buckets, "measured_comm": measured, "memory": c.memory()}
+        groups = {"shard": c.mesh.shard_group_name(), "replicate": c.mesh.replicate_group_name()}  # HSDP's two
+        return {"zero": c.plan.zero, "dp": c.replicas, "dp_replicate": c.plan.dp_replicate, "groups": groups,
+                "buckets": buckets, "measured_comm": measured, "memory": c.memory}
 
     def data_parallel_table(self) -> str:
         d = self.data_parallel()
@@ -104,13 +104,13 @@ class Report:
             shape = f" of {' x '.join(map(str, v.shape))}" if v is not None else ""
             return budget.format_activations(self.activations(), None, f" (one forward and backward{shape})")
         return budget.format_activations(self.activations(), c.plan.recompute,
-                                         f" (pp rank {c.pp_rank}, {c.schedule_name}, {c.m} microbatches)")
+                                         f" (pp rank {c.pp_rank}, {c.schedule}, {c.microbatches} microbatches)")
 
     def write_partition_picture(self, path) -> list:
         """A picture of the partitioned program: stages, their layers and collectives, the boundaries."""
         c = self.compiled
         title = f"{self.program.info.model_class or 'model'}: " + ", ".join(
-            f"{k}={getattr(c.plan, k)}" for k in ("dp", "pp", "tp", "zero")) + f", {c.schedule_name}"
+            f"{k}={getattr(c.plan, k)}" for k in ("dp", "pp", "tp", "zero")) + f", {c.schedule}"
         return write_dot(partition_dot(self.stages, self.collectives(), title), path)
 
     def stage_graph(self, index: int) -> str:
@@ -145,7 +145,7 @@ class Report:
             c = self.compiled
             plan = c.plan
             text += (f"\n\npipeline: pp={plan.pp}, {len(c.pipeline.stages)} stages, schedule "
-                     f"{c.schedule_name}, {c.m} microbatches\n\n" + self.stage_table())
+                     f"{c.schedule}, {c.microbatches} microbatches\n\n" + self.stage_table())
             text += "\n\n" + budget.format_flops(c)
             if plan.tp > 1:
                 text += f"\n\ntensor parallel: tp={plan.tp}, collectives of this rank\n\n" + self.collective_table()
@@ -153,9 +153,9 @@ class Report:
                 text += "\n\n" + cov.to_text() if cov is not None else ""
             if plan.dp > 1 or plan.zero:
                 text += "\n\n" + self.data_parallel_table()
-            elif c.memory():
-                text += "\n\n" + budget.format_memory(c.memory())
-            text += "\n\n" + budget.format_communication(self.communication(), c.m,
+            elif c.memory:
+                text += "\n\n" + budget.format_memory(c.memory)
+            text += "\n\n" + budget.format_communication(self.communication(), c.microbatches,
                                                           self.data_parallel().get("measured_comm"))
             text += "\n\n" + format_kernel_rows(self.kernels())
         return text + "\n\n" + self.activation_table()
@@ -209,8 +209,9 @@ def inspect(program, *, module: str | None = None, depth: int | None = 3, graph:
     installed) with one cluster per module.
     """
     compiled = None
-    if not isinstance(program, Program) and isinstance(getattr(program, "program", None), Program):
-        compiled, program = program, program.program  # a CompiledModel
+    if isinstance(program, RankView) or (not isinstance(program, Program) and hasattr(program, "view")):
+        compiled = view_of(program)  # a compiled or priced model, as the typed record it gives
+        program = compiled.program
     if not isinstance(program, Program):
         raise TypeError(f"fxpar.inspect takes a traced Program (fxpar.trace) or a compiled model (fxpar.compile), "
                         f"got {type(program).__name__}")

@@ -8,6 +8,7 @@ times the compiler wrote on each stage), node ``val`` for boundary tensors, and 
 from __future__ import annotations
 
 from fxpar.ir.errors import FxparError
+from fxpar.ir.rank_view import view_of
 from fxpar.ir.stage import PipelineProgram, StageSpec
 from fxpar.report.graph import describe_val
 from fxpar.report.table import columns, human
@@ -69,11 +70,12 @@ def predicted_step(compiled) -> dict | None:
     """What the stage table says of the compiled plan's price (``compiled.predicted``, the plan's
     :class:`~fxpar.cost.estimate.Estimate`): the profile, step time and its parts, bubble, memory per rank,
     MFU; with ``error`` instead where the plan has no price (the reason). None for an object without one."""
-    if not hasattr(type(compiled), "predicted"):
+    v = view_of(compiled)
+    if v.estimate is None:
         return None
-    device = getattr(getattr(compiled, "result", None), "predicted", {}).get("device")
+    device = v.result.predicted.get("device")
     try:
-        e = compiled.predicted
+        e = v.estimate()
     except FxparError as err:
         return {"device": device, "error": str(err).splitlines()[0]}
     return {"device": device, "step_time": e.step_time, "bubble": e.bubble, "parts": dict(e.parts),

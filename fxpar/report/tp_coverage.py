@@ -33,6 +33,7 @@ from fxpar.ir.placement import (
     why_kind,
 )
 from fxpar.ir.program import ParamInfo
+from fxpar.ir.rank_view import view_of
 from fxpar.report.table import columns, human
 
 WARN_ABOVE = 0.10  # the share of the parameters left whole where sharding was possible that warns
@@ -188,13 +189,14 @@ def coverage(params: dict[str, ParamInfo], tp: TpResult, stages: Sequence[Sequen
 
 
 def coverage_of(compiled) -> Coverage | None:
-    """The coverage of a compiled model's TP plan (duck-typed: ``result.traced``, ``tp_info``,
-    ``pipeline``); None without TP."""
-    tp = getattr(compiled, "tp_info", None)
+    """The coverage of a compiled model's TP plan (``compiled``: a :class:`~fxpar.ir.rank_view.RankView`
+    or a model giving one); None without TP."""
+    v = view_of(compiled)
+    tp = v.result.tp
     if not isinstance(tp, TpResult) or tp.parts <= 1:
         return None
-    stages = [list(s.params) for s in compiled.pipeline.stages]
-    return coverage(compiled.result.traced.params, tp, stages)
+    stages = [list(s.params) for s in v.pipeline.stages]
+    return coverage(v.result.traced.params, tp, stages)
 
 
 def sharding_warning(cov: Coverage, above: float = WARN_ABOVE) -> str | None:
