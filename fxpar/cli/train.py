@@ -21,64 +21,67 @@ from __future__ import annotations
 
 import sys
 
+from fxpar.train.config import FineTuneConfig
 from fxpar.train.loop import FineTune, step_seed  # noqa: F401  (step_seed: the per-step RNG rule)
 
 
 def run(args) -> int:
-    FineTune(args).run()
+    FineTune(FineTuneConfig.from_args(args)).run()
     return 0
 
 
 def add_arguments(p) -> None:
+    """The options of ``fxpar train`` on ``p``, one per :class:`FineTuneConfig` field, its defaults."""
     p.add_argument("model", help="a save_pretrained directory, a zoo name (see `fxpar zoo`) or an HF config.json")
-    p.add_argument("--plan", default="dp=1",
+    p.add_argument("--plan",
                    help="degrees and options, e.g. dp=2,pp=2,tp=2,zero=1,microbatches=4, "
                         "or auto (fxpar.autoplan chooses)")
-    p.add_argument("--plan-file", default=None, help="a JSON or TOML plan (never pickle)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
-    p.add_argument("--batch", type=int, default=8,
+    p.add_argument("--plan-file", help="a JSON or TOML plan (never pickle)")
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--batch", type=int,
                    help="global batch per accumulation step (sequences over all replicas)")
-    p.add_argument("--grad-accum", type=int, default=1,
+    p.add_argument("--grad-accum", type=int,
                    help="batches per optimizer step (the loss is the mean over all their label tokens)")
-    p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--lr-scheduler", default="constant", help="transformers.get_scheduler name: constant, "
+    p.add_argument("--seq", type=int, help="tokens per sequence")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--lr-scheduler", help="transformers.get_scheduler name: constant, "
                    "linear, cosine, cosine_with_min_lr, ... (warm-up first)")
-    p.add_argument("--warmup", type=float, default=0, help="warm-up steps (>= 1) or fraction of --steps (< 1)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decay; biases and norms undecayed")
-    p.add_argument("--max-grad-norm", type=float, default=None,
+    p.add_argument("--warmup", type=float, help="warm-up steps (>= 1) or fraction of --steps (< 1)")
+    p.add_argument("--weight-decay", type=float, help="AdamW decay; biases and norms undecayed")
+    p.add_argument("--max-grad-norm", type=float,
                    help="clip the global gradient norm (every TP/PP/ZeRO shard counted once) to this; the "
                         "norm before clipping is logged ('inf': log it without clipping)")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None, help="required: a data file (.txt, .jsonl, .parquet), or 'synthetic' "
+    p.add_argument("--seed", type=int)
+    p.add_argument("--data", help="required: a data file (.txt, .jsonl, .parquet), or 'synthetic' "
                    "for random tokens (benchmarks, smoke tests)")
-    p.add_argument("--format", default="auto", choices=("auto", "text", "json", "chat", "parquet"))
-    p.add_argument("--field", default="text", help="the text field of JSON lines / parquet rows")
-    p.add_argument("--messages-field", default="messages", help="the conversation field of chat rows")
+    p.add_argument("--format", choices=("auto", "text", "json", "chat", "parquet"))
+    p.add_argument("--field", help="the text field of JSON lines / parquet rows")
+    p.add_argument("--messages-field", help="the conversation field of chat rows")
     p.add_argument("--no-pack", action="store_true",
                    help="one document per row, padded (default: documents packed into --seq windows)")
-    p.add_argument("--streaming", default="auto", choices=("auto", "on", "off"),
+    p.add_argument("--streaming", choices=("auto", "on", "off"),
                    help="read --data / --eval-data as streams, each rank reading and tokenizing only its share "
                         "(auto: text / JSON-lines files over 8 MiB; off: every rank reads the file whole)")
-    p.add_argument("--shuffle-buffer", type=int, default=1000,
+    p.add_argument("--shuffle-buffer", type=int,
                    help="streamed data: documents in the seeded shuffle buffer (0: file order)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
-    p.add_argument("--eval-data", default=None, help="evaluation file (the same formats as --data)")
-    p.add_argument("--eval-every", type=int, default=-1, help="evaluate every K steps (-1: at the start and end)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the model directory)")
+    p.add_argument("--eval-data", help="evaluation file (the same formats as --data)")
+    p.add_argument("--eval-every", type=int, help="evaluate every K steps (-1: at the start and end)")
     p.add_argument("--meta", action="store_true", help="build on the meta device; weights from the initialiser")
-    p.add_argument("--save", default=None, help="checkpoint directory: a checkpoint at the last step (and every "
+    p.add_argument("--save", help="checkpoint directory: a checkpoint at the last step (and every "
                    "--save-every steps), each in DIR/step_N, DIR/latest naming the newest complete one")
-    p.add_argument("--save-every", type=int, default=0, help="also save every K steps (needs --save)")
-    p.add_argument("--save-total-limit", type=int, default=None,
+    p.add_argument("--save-every", type=int, help="also save every K steps (needs --save)")
+    p.add_argument("--save-total-limit", type=int,
                    help="keep only the newest N checkpoints in --save (never the one 'latest' names)")
-    p.add_argument("--resume", default=None, help="a step_N checkpoint, or a directory of them (its latest); "
+    p.add_argument("--resume", help="a step_N checkpoint, or a directory of them (its latest); "
                    "'auto': --save's latest when there is one, else start at step 0 (for torchrun restarts)")
-    p.add_argument("--export", default=None, help="write a Hugging Face model (config + safetensors) here")
-    p.add_argument("--log-every", type=int, default=1)
-    p.add_argument("--metrics-out", default=None, help="append one JSON line per logged step / evaluation here")
-    p.add_argument("--tensorboard", default=None, help="TensorBoard log directory (needs the tensorboard package)")
-    p.add_argument("--losses-out", default=None, help="write every step's loss here (rank 0)")
+    p.add_argument("--export", help="write a Hugging Face model (config + safetensors) here")
+    p.add_argument("--log-every", type=int)
+    p.add_argument("--metrics-out", help="append one JSON line per logged step / evaluation here")
+    p.add_argument("--tensorboard", help="TensorBoard log directory (needs the tensorboard package)")
+    p.add_argument("--losses-out", help="write every step's loss here (rank 0)")
+    p.set_defaults(**FineTuneConfig.defaults())
 
 
 def main(argv: list[str] | None = None) -> int:

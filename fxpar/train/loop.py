@@ -37,6 +37,7 @@ from fxpar.ir.schedule import microbatches
 from fxpar.planner.auto import compute_dtype
 from fxpar.train import metrics as M
 from fxpar.train import optim, saving, streams
+from fxpar.train.config import FineTuneConfig
 from fxpar.train.progress import Progress
 
 SYNTHETIC = ("data: synthetic: this run trains on random tokens (--data synthetic), not on any data of yours; "
@@ -85,15 +86,16 @@ def given_plan(a):
 
 
 class FineTune:
-    """One run's state: model, data, compiled program, schedule, metrics. ``run()`` trains."""
+    """One run's state: model, data, compiled program, schedule, metrics. ``run()`` trains. Built from a
+    :class:`FineTuneConfig`, its fields as keywords or a parsed command line (:meth:`FineTuneConfig.of`)."""
 
-    def __init__(self, args):
+    def __init__(self, config: FineTuneConfig | None = None, **options):
         import fxpar
         from fxpar import checkpoint
         from fxpar.launch import check_launch_world, init_distributed
         from fxpar.train.models import directory_weights, load_model, model_directory
 
-        self.args = a = args
+        self.config = a = FineTuneConfig.of(config, **options)
         self.accum = a.grad_accum
         check_args(a)
         optim.check_schedule(a.lr_scheduler, a.warmup, a.steps)
@@ -180,10 +182,10 @@ class FineTune:
 
     # ---- data ----------------------------------------------------------------------------------------
     def _dataset(self, path: str):
-        return streams.file_dataset(path, self.args, self.tokenizer, self.model)
+        return streams.file_dataset(path, self.config, self.tokenizer, self.model)
 
     def _stream(self, data: str, batch: int):
-        a = self.args
+        a = self.config
         if data == "synthetic":
             return streams.SyntheticStream(self.model.config.vocab_size, batch, a.seq, a.seed)
         if not Path(data).is_file():
@@ -202,13 +204,13 @@ class FineTune:
         if step > self.start:
             self.batch = streams.step_batch(self.stream, self.accum)
         lr = self.scheduler.get_last_lr()[0]
-        torch.manual_seed(step_seed(self.args.seed, step))  # dropout draws the same masks in a resumed run
+        torch.manual_seed(step_seed(self.config.seed, step))  # dropout draws the same masks in a resumed run
         t0 = time.perf_counter()
         loss = self.compiled.step(**self.batch).item()
         dt = time.perf_counter() - t0
         self.scheduler.step()
         self.losses.append(loss)
-        a, norm = self.args, self.compiled.last_grad_norm
+        a, norm = self.config, self.compiled.last_grad_norm
         tokens = self.batch["input_ids"].numel()
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / dt,
                   "step_s": dt, **self.progress.step(step + 1, tokens)}
@@ -235,7 +237,7 @@ class FineTune:
 
         total, count = 0.0, 0
         # the training step's global batch size: the evaluation runs the training program in inference
-        for batch in eval_batches(self.eval_data, self.args.batch * self.accum):
+        for batch in eval_batches(self.eval_data, self.config.batch * self.accum):
             n = counted_labels(batch["labels"], self.model)
             if n == 0:
                 continue
@@ -253,7 +255,7 @@ class FineTune:
     def run(self) -> list[float]:
         import fxpar
 
-        a = self.args
+        a = self.config
         if a.data == "synthetic":
             self.say(SYNTHETIC, flush=True)
         self.say(f"plan: {self.plan}  world {self.world}  device {self.device}"
