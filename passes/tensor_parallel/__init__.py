@@ -23,9 +23,10 @@ parallel embeddings do a masked local lookup and an all-reduce. An MLP at tp=2, 
                                          out = all_reduce(down, "tp:0,1")
                                          return out                    # Replicate()
 
-Parts: :mod:`.styles` (which modules are cut how), :mod:`.layouts` (fused and transposed weights, dim
-arithmetic), :mod:`.rewriter` (the environment and placement helpers), :mod:`.rules` (one rule per op
-family, in a table).
+Parts: :mod:`.styles` (which modules are cut how), :mod:`.layouts` (fused and transposed weights),
+:mod:`.dim_moves` (where a dim goes through a view, transpose, permute or reshape: one table, read by
+the rules, the inference and the packing analysis), :mod:`.rewriter` (the environment and placement
+helpers), :mod:`.rules` (one rule per op family, in a table).
 """
 
 from __future__ import annotations
