@@ -22,8 +22,8 @@ class OnlyView:
 
 
 def test_the_report_of_a_priced_plan_needs_only_its_view():
-    batch = zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=4, seq=8)
-    priced = price(zoo.build("llama"), "dp=2,tp=2,zero=1", example_kwargs=batch, rank=3,
+    batch = zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=2, seq=4)
+    priced = price(zoo.build("llama", num_hidden_layers=1), "dp=2,tp=2,zero=1", example_kwargs=batch, rank=3,
                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     view = priced.view()
     assert isinstance(view, RankView) and view.data_parallel is not None and view.data_parallel.buckets
