@@ -200,7 +200,8 @@ def inspect(program, *, module: str | None = None, depth: int | None = 3, graph:
             picture: str | Path | None = None, file=None, quiet: bool = False) -> Report:
     """Print the module table of ``program`` (and its graph with ``graph=True``); return the :class:`Report`.
 
-    ``program`` is a traced :class:`Program` or a compiled model; for the latter the report adds the
+    ``program`` is a traced :class:`Program` or a compiled model (read through ``view()``, its typed
+    :class:`~fxpar.ir.rank_view.RankView`, or that record itself); for the latter the report adds the
     stage table (modules, params, predicted times, boundary tensors and bytes, predicted bubble) and
     ``report.stage_graph(i)`` reads any stage's graph.
 
