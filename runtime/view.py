@@ -21,7 +21,8 @@ def engine_view(engine) -> DataParallelView | None:
 
 def rank_view(compiled) -> RankView:
     """The :class:`RankView` of ``compiled`` (a ``PricedPlan`` or ``CompiledModel``) as it is now."""
-    return RankView(plan=compiled.plan, mesh=compiled.spec, result=compiled.result, cuts=compiled.cuts,
-                    schedule=compiled.schedule_name, actions=compiled.schedule[compiled.spec.pp_rank],
-                    microbatches=compiled.m, device=compiled.device, memory=compiled.memory(),
+    mesh, setup = compiled.spec, compiled.setup  # this rank's coordinates; the batch's cut and schedule
+    return RankView(plan=compiled.plan, mesh=mesh, result=compiled.result, cuts=compiled.cuts,
+                    schedule=setup.schedule, actions=compiled.schedule[mesh.pp_rank],
+                    microbatches=setup.microbatches, device=compiled.device, memory=compiled.memory(),
                     data_parallel=engine_view(compiled.engine), estimate=lambda: compiled.predicted)

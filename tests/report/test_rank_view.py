@@ -27,7 +27,7 @@ def test_the_report_of_a_priced_plan_needs_only_its_view():
                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     view = priced.view()
     assert isinstance(view, RankView) and view.data_parallel is not None and view.data_parallel.buckets
-    assert (view.pp_rank, view.replicas, view.microbatches) == (priced.spec.pp_rank, priced.dp, priced.m)
+    assert (view.pp_rank, view.replicas, view.microbatches) == (priced.spec.pp_rank, 2, priced.setup.microbatches)
     whole, alone = fxpar.inspect(priced, quiet=True), fxpar.inspect(OnlyView(view), quiet=True)
     assert alone.to_text() == whole.to_text()
     assert alone.to_json() == whole.to_json()
