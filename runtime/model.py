@@ -64,12 +64,7 @@ class PricedPlan:
                  param_groups: ParamGroups | None = None, runtime=None, create_groups: bool = False):
         setup = build.setup
         self.model, self.plan, self.spec, self.setup, self.device = model, plan, mesh, setup, device
-        self.world, self.rank = mesh.world_size, mesh.rank
-        # data replicas and this rank's: dp x ep with expert parallelism (each ep rank its own slice)
-        self.dp, self.tp, self.pp_rank, self.dp_rank, self.tp_rank = (
-            mesh.replicas, plan.tp, mesh.pp_rank, mesh.replica_rank, mesh.tp_rank)
-        self.schedule_name, self.schedule, self.m = setup.schedule, actions, setup.microbatches
-        self.stage_to_rank = list(setup.stage_to_rank)
+        self.schedule = actions  # the pipeline schedule's actions per rank (fxpar.ir.schedule)
         self.build = build  # compiles each signature (fxpar.ir.build.Build); the runtime reads nothing else of it
         self.programs = ProgramCache(build, build.setup_for, runtime or (lambda result: None))  # one per shapes
         self._train = self.programs.get(example_args, example_kwargs, program)[0]
@@ -79,6 +74,18 @@ class PricedPlan:
         self.ep = ExpertParallelRecord(build.ep, self._train.program)
         self.engine, self.optimizer = make_engine(self._named, optimizer, param_groups, self._train, plan, mesh,
                                                   overlap=not self._tied_groups, experts=self.ep.expert_ids)
+
+    # this rank's coordinates and the batch's cut, read from the MeshSpec and the set-up that keep them
+    world = property(lambda self: self.spec.world_size)
+    rank = property(lambda self: self.spec.rank)
+    dp = property(lambda self: self.spec.replicas, doc="data replicas: dp x ep with expert parallelism")
+    tp = property(lambda self: self.spec.tp)
+    pp_rank = property(lambda self: self.spec.pp_rank)
+    dp_rank = property(lambda self: self.spec.replica_rank, doc="this rank's replica (each ep rank its own)")
+    tp_rank = property(lambda self: self.spec.tp_rank)
+    m = property(lambda self: self.setup.microbatches, doc="microbatches per replica")
+    schedule_name = property(lambda self: self.setup.schedule)
+    stage_to_rank = property(lambda self: list(self.setup.stage_to_rank))
 
     def _my_named_parameters(self, pipeline: PipelineProgram) -> list[tuple[str, torch.nn.Parameter]]:
         """(name in its stage, parameter) for the stages this rank runs, each parameter once."""
