@@ -112,7 +112,7 @@ class ExpertParallelRecord:
             _Counting.active = None
 
     def set_load(self, counts: dict[str, torch.Tensor]) -> None:
-        """``stats`` from ``[ep, E]`` counts per MoE layer (``fxpar.api.price``)."""
+        """``stats`` from ``[ep, E]`` counts per MoE layer (the API's ``price``)."""
         self.stats = load_stats(counts)
 
     def __repr__(self) -> str:

@@ -1,4 +1,4 @@
-"""``PricedPlan``: a plan compiled for one rank (what ``fxpar.api.price`` returns); ``CompiledModel``: a
+"""``PricedPlan``: a plan compiled for one rank (what the API's ``price`` returns); ``CompiledModel``: a
 priced plan that runs training steps and inference.
 
 It composes small parts: the batch cut into microbatches (``fxpar.ir.batch``), the pipeline runtime,
@@ -52,7 +52,7 @@ STEP_HEAP_SLACK = 64 * 2**20  # FXPAR_TRIM_STEP: a step gives the heap's free pa
 class PricedPlan:
     """A plan compiled for one rank, without running anything: its training signature's
     :class:`~fxpar.ir.stage.CompileResult`, this rank's parameters' data-parallel layout and optimizer, and
-    the plan's price (``predicted``, ``memory()``). What :func:`fxpar.api.price` returns (built with no
+    the plan's price (``predicted``, ``memory()``). What the API's ``price`` returns (built with no
     process group) and what ``fxpar.inspect``, checkpoints and the planner read; :class:`CompiledModel`
     adds running it.
 
