@@ -55,29 +55,18 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
-from fxpar.ir.op_classes import PRODUCT_KERNELS
+from fxpar.ir.op_classes import kept_by_selective
 from fxpar.ir.schedule import SPLIT_BACKWARD, schedule_record  # noqa: F401 (SPLIT_BACKWARD: read by fxpar.planner.feasibility)
 from fxpar.ir.stage import StageSpec
 
 __all__ = ["Recomputed", "layer_units", "policy", "recompute", "saved_op", "unit_of"]
 
 _INDEX = re.compile(r"^\d+$")
-_NOT_SAVED_COLLECTIVES = ("gather_params",)  # ZeRO-3 regathers instead of holding the bucket
 
 
 def saved_op(func) -> bool:
-    """Whether selective recompute keeps ``func``'s output: matmuls, attention kernels, and fxpar's TP
-    collectives (not ZeRO-3's parameter gathers)."""
-    packet = getattr(func, "overloadpacket", None)
-    if packet in PRODUCT_KERNELS:  # what autograd dispatches below aten.linear, aten.matmul, convolutions
-        return True
-    name = func.name() if hasattr(func, "name") else str(func)
-    ns, _, op = name.partition("::")
-    if "scaled_dot_product" in op or op.startswith(("_flash_attention", "_efficient_attention")):
-        return True
-    if ns == "fxpar_kernels":  # the collective matmuls (a collective and matmuls in one op) are saved too
-        return op.split(".")[0] in ("all_gather_linear", "linear_reduce_scatter")
-    return ns == "fxpar" and op.split(".")[0] not in _NOT_SAVED_COLLECTIVES
+    """Whether selective recompute keeps ``func``'s output (:func:`fxpar.ir.op_classes.kept_by_selective`)."""
+    return kept_by_selective(func)
 
 
 def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:

@@ -6,7 +6,8 @@ each storage once):
 * ``none``: a decoder layer keeps every tensor its ops save;
 * ``layer``: it keeps only its inputs (what it reads from outside itself); its saved tensors are
   recomputed in backward, one layer at a time;
-* ``selective``: its inputs and what its matrix products and attention make (outputs, log-sum-exp); the
+* ``selective``: its inputs and what its matrix products, attention and TP collectives make (every output,
+  log-sum-exp included, as the runtime's policy :func:`fxpar.ir.op_classes.kept_by_selective` keeps them); the
   cheap ops' saved tensors are recomputed.
 
 Ops outside the decoder layers (embedding, final norm, head, loss) keep what they save under every policy.
@@ -29,7 +30,7 @@ import torch.fx
 
 from fxpar.cost.saved import SavedTensors
 from fxpar.ir import meta
-from fxpar.ir.op_classes import MATMUL_LIKE
+from fxpar.ir.op_classes import kept_by_selective
 from fxpar.ir.program import Program
 
 RECOMPUTE = ("none", "layer", "selective")
@@ -93,8 +94,10 @@ def saves(program: Program, nodes: Iterable[torch.fx.Node], group: Callable[[tor
                 got.shared["saved"][kept.key] = kept.nbytes
                 continue
             got.saved.setdefault(g, {})[kept.key] = kept.nbytes
-            if layer and kept.producer is not None and \
-                    getattr(kept.producer.target, "overloadpacket", None) in MATMUL_LIKE:
+        if layer and kept_by_selective(node.target):
+            # selective recompute keeps these ops' outputs whether or not a backward reads them (torch's
+            # selective checkpoint caches every output its policy saves), attention's log-sum-exp with them
+            for kept in [*saved.value(node), *(k for k in saved.of(node) if k.producer is node)]:
                 got.matmul.setdefault(g, {})[kept.key] = kept.nbytes
         for a in node.all_input_nodes if layer else ():
             for kept in ([] if a.op == "call_function" and group(a) == g else saved.value(a)):

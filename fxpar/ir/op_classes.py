@@ -173,3 +173,23 @@ def is_pointwise(node: torch.fx.Node) -> bool:
 def is_grouped_mm(node: torch.fx.Node) -> bool:
     """A grouped (per-expert) matmul ``x[T, K] @ w[E, K, N]``."""
     return node.op == "call_function" and getattr(packet(node), "__name__", "") in GROUPED_MM
+
+
+_NOT_KEPT_COLLECTIVES = ("gather_params",)  # ZeRO-3 regathers its parameters instead of holding the bucket
+
+
+def kept_by_selective(func) -> bool:
+    """Whether selective recompute keeps the output of ``func`` (an OpOverload, as traced or as dispatched):
+    matrix products, attention kernels, and fxpar's TP collectives and collective matmuls (not ZeRO-3's
+    parameter gathers). The runtime's policy (``fxpar.passes.recompute``) and the activation model
+    (``fxpar.cost.activations``) both read it."""
+    pkt = getattr(func, "overloadpacket", None)
+    if pkt in PRODUCT_KERNELS or pkt in MATMUL_LIKE:
+        return True
+    name = func.name() if hasattr(func, "name") else str(func)
+    ns, _, op = name.partition("::")
+    if "scaled_dot_product" in op or op.startswith(("_flash_attention", "_efficient_attention")):
+        return True
+    if ns == "fxpar_kernels":
+        return op.split(".")[0] in ("all_gather_linear", "linear_reduce_scatter")
+    return ns == "fxpar" and op.split(".")[0] not in _NOT_KEPT_COLLECTIVES

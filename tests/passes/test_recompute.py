@@ -42,6 +42,21 @@ def test_selective_saves_matmuls_attention_and_tp_collectives_not_zero3_gathers(
     assert not any(saved_op(op) for op in (aten.silu.default, aten.mul.Tensor, aten.rsqrt.default, aten.add.Tensor))
 
 
+def test_selective_outlines_layers_whose_products_are_traced_as_linear_and_matmul():
+    """A layer's matmuls appear in the trace as ``aten.linear`` / ``aten.matmul`` (dispatch turns them into mm):
+    with eager attention (no SDPA kernel in the graph) selective recompute still outlines every layer."""
+    batch = _batch()
+    config = zoo.tiny_config("llama")
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = type(zoo.build("llama", seed=0))(config)
+    c = fxpar.compile(model, "recompute=selective", example_kwargs=batch)
+    gm = c._train.pipeline.stages[0].gm
+    assert not any("scaled_dot_product" in str(n.target) for n in gm.graph.nodes)
+    assert sum(isinstance(m, Recomputed) for m in gm.modules()) == config.num_hidden_layers >= 2
+    assert saved_op(aten.linear.default) and saved_op(aten.matmul.default)
+
+
 class _BackwardOps(TorchDispatchMode):
     """Counts ops by overload packet, separately for those run inside autograd's backward."""
 
