@@ -97,6 +97,7 @@ class Pricer:
         # the model's segments as compile's cut candidates make them; units: (part index, share of the part)
         self.segs = Segments(costs, profile, self.names)
         self.segments, self.units, self.points = self.segs.rows, self.segs.units, self.segs.points
+        self.last_unit = {i: j for j, (i, _) in enumerate(self.units)}  # part -> the index of its last unit
         self._stage_cache: dict = {}
 
     # ---- per part --------------------------------------------------------------------------------
@@ -165,6 +166,7 @@ class Pricer:
                             ("kout", 9), ("ef", 10), ("eb", 11), ("eparams", 12), ("esent", 13)):
                 got[name].append(sum(k[i] * f for k, f in ks))
             got["trans"].append(max(k[7] for k, _ in ks))
+            got["params"][-1] += _borrowed(self, s, e, tp, sp)
             # what a cut after the stage sends: at a part's end the part's bytes (on this tp), mid-part the
             # unsharded segment's
             nxt = self.segments[e] if e < len(self.segments) else None
@@ -296,6 +298,20 @@ def _tensors(self: Pricer, stages: list[int], n_stages: int, b: int, dtype: str)
             self._kinds[key] = sum(1 for n in self.costs.part(self.names[i], 1, False).nodes if n[3] > 0)
         total += self._kinds[key]
     return total
+
+
+def _borrowed(self: Pricer, s: int, e: int, tp: int, sp: bool) -> int:
+    """Entries of the weights a stage (units ``s`` to ``e``) reads that a part outside it counts: a tied
+    embedding and head on the first and the last pipeline stage each hold a copy. The borrowing part ("post":
+    the head is its last op) reads it where its last unit runs."""
+    present = {i for i, _ in self.units[s:e]}
+    extra: dict[str, int] = {}
+    for i in present:
+        if s <= self.last_unit[i] < e:
+            for name, (owner, n) in self.costs.part(self.names[i], tp, sp).borrowed.items():
+                if owner not in {self.names[k] for k in present}:
+                    extra[name] = n
+    return sum(extra.values())
 
 
 def _runtime(self: Pricer, plan: Plan, stages: list[int], params: list, gbytes: int, world: int, cut: tuple):

@@ -68,6 +68,10 @@ class RankPart:
     # layer with "{}" for the layer's index, "model.layers.{}.mlp"); empty: unknown
     units: list[tuple[int, int, int, str | None]] = field(default_factory=list)
     experts: object = None  # its expert layers (fxpar.cost.experts.Experts, tp=1 parts; None: none)
+    # parameters it reads that ``params`` counts in another part: name -> (that part, entries on this tp rank).
+    # Only the weights "pre" and "post" share (a tied embedding and head): a pipeline stage running "post"
+    # without "pre" holds its own copy, its gradient and optimizer state (runtime/tied.py)
+    borrowed: dict[str, tuple[str, int]] = field(default_factory=dict)
     _times: dict = field(default_factory=dict, repr=False, compare=False)  # (profile id, batch, dtype) -> result
 
     def largest_weight(self) -> int:
@@ -219,12 +223,18 @@ def _rank_parts(program: Program, units: bool = False) -> tuple[dict[str, RankPa
         members[part].add(node.name)
         end[where[node]] = i + 1  # a pipeline cut after the part: where its last node stands
     params = dict.fromkeys(names, 0)
+    borrowed: dict[str, dict[str, tuple[str, int]]] = {k: {} for k in names}
     for node in program.graph.nodes:
         b = bound.get(node.name) if node.op == "placeholder" else None
         if b is None or b.kind != "parameter":
             continue
         users = [assign[u] for u in node.users if u in assign]
-        params[users[0] if users else "pre"] += program.params[b.target].numel
+        owner = users[0] if users else "pre"
+        numel = program.params[b.target].numel
+        params[owner] += numel
+        for other in dict.fromkeys(users):
+            if other != owner and {owner, other} == {"pre", "post"}:
+                borrowed[other][b.target] = (owner, numel)
     comm: dict[str, list] = {k: [] for k in names}
     for kind, node in collective_nodes(program.graph):
         part = assign.get(node, "post")
@@ -235,7 +245,8 @@ def _rank_parts(program: Program, units: bool = False) -> tuple[dict[str, RankPa
     parts = {}
     for k in names:
         out = 0 if k == "post" else cross[end.get(k, 0)]
-        parts[k] = RankPart(rows[k], params[k], comm[k], acts[k], out, grads.get(k, 0), outs.get(k, 0), segs[k])
+        parts[k] = RankPart(rows[k], params[k], comm[k], acts[k], out, grads.get(k, 0), outs.get(k, 0), segs[k],
+                            borrowed=borrowed[k])
     return parts, order
 
 

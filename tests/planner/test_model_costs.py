@@ -227,3 +227,23 @@ def test_reference_fit_scales_the_matmul_rate_by_measured_over_predicted():
     assert fitted.elementwise_rate == base.elementwise_rate and fitted.mem_bw == base.mem_bw
     again = reference._predicted(fitted, costs)
     assert again["matmul"] + again["fresh_matmul"] == pytest.approx(measured["matmul"])
+
+
+def test_a_tied_embedding_is_held_again_by_the_stage_running_the_head():
+    """A weight "pre" and "post" share (tied embedding and head) is counted once on one stage, and again on a
+    pipeline stage that runs "post" without "pre" (the runtime gives it its own copy, gradient and states)."""
+    from fxpar.cost.estimate import Pricer
+    from fxpar.cost.profiles import load_profile
+    from fxpar.ir.plan import Plan
+
+    model = zoo.build("llama", seed=0, num_hidden_layers=4, vocab_size=8192, hidden_size=64,
+                      intermediate_size=128, tie_word_embeddings=True)
+    costs = model_costs(model, SEQ, tp_degrees=(1,), sequence_parallel=(False,))
+    emb = model.get_input_embeddings().weight.numel()
+    assert list(costs.part("post", 1).borrowed.values()) == [("pre", emb)]
+    assert costs.part("pre", 1).borrowed == {}
+    pricer = Pricer(costs, load_profile("cpu"), global_batch=2)
+    assert pricer.price(Plan()).memory["params"] == 4 * costs.params  # one stage: the shared weight once
+    for stages in (2, 3):  # the first stage holds it for the embedding, the last again for the head
+        assert sum(pricer._stages(stages, 1, False, 1, "none", stages, "fp32")["params"]) == \
+            pytest.approx(costs.params + emb)
