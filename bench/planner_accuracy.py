@@ -71,10 +71,9 @@ def measure(model: str, plan: str, steps: int, warmup: int, profile_spec: str | 
     t0 = time.perf_counter()
     from fxpar.cost.profiles import load_profile
 
-    device_model = load_profile(profile_spec).device_model("fp32")
+    profile = load_profile(profile_spec)
     module, weights = M.build_for_compile(model)
-    compiled = fxpar.compile(module, plan, example_kwargs=batch, optimizer=M.adamw, device_model=device_model,
-                             **weights)
+    compiled = fxpar.compile(module, plan, example_kwargs=batch, optimizer=M.adamw, profile=profile, **weights)
     compile_s = time.perf_counter() - t0
     step = functools.partial(compiled.step, **batch)
     losses, times = [], []
