@@ -87,7 +87,10 @@ def test_fused_loss_drops_the_logits_and_is_chosen_where_only_it_fits():
     logits = BATCH * SEQ * model.config.vocab_size * 4  # [batch, seq, vocab] fp32, never made whole
     assert plain.memory["activations"] - fused.memory["activations"] >= logits
     assert fused.parts["compute"] > plain.parts["compute"]  # the head's matmul again in backward
-    # a rank that holds the fused plan but not the plain one: the search finds it
-    room = (plain.memory["total"] + fused.memory["total"]) // 2
+    # a rank too small for every plan without the fused loss, recompute included, as the search prices them:
+    # it finds a fused one
+    everything = search(costs, 1, device_profile("cpu")[0], global_batch=BATCH, memory_per_rank=1 << 40, top=1000)
+    priced = everything.ranked + everything.rejected
+    room = min(e.memory["total"] for e in priced if not e.plan.fused_loss) - 1
     auto = search(costs, 1, device_profile("cpu")[0], global_batch=BATCH, memory_per_rank=room)
     assert auto.best.fused_loss and auto.estimate.memory["total"] <= room
