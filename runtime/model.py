@@ -20,33 +20,28 @@ labels), so no input travels.
 from __future__ import annotations
 
 import torch
-from torch.utils import _pytree as pytree
 
 from fxpar.ir.batch import batch_size, check_shapes, loss_weights, split_batch
 from fxpar.ir.build import Build
 from fxpar.ir.errors import PlanError
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.optim import ParamGroups, make_optimizer, state_count
-from fxpar.ir.options import run_options
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
 from fxpar.ir.resolved import dp_bucket_bytes
 from fxpar.ir.stage import CompileResult, PipelineProgram
-from fxpar.runtime import dist_calls
 from fxpar.runtime.data_parallel import DataParallelEngine, held_bytes
 from fxpar.runtime.expert_parallel import ExpertParallelRecord
 from fxpar.runtime.generate import generate
 from fxpar.runtime.grad_norm import make_clipper
 from fxpar.runtime.liveness import guarded
-from fxpar.runtime.memtrack import trim_heap
 from fxpar.runtime.pipeline import PipelineRuntime
 from fxpar.runtime.programs import ProgramCache
 from fxpar.runtime.state import canonical_names, full_state_dict
-from fxpar.runtime.tied import make_tied_groups, sum_tied_grads
+from fxpar.runtime.tied import make_tied_groups
+from fxpar.runtime.train_step import TrainingStep, gather_outputs
 from fxpar.runtime.view import rank_view
 from fxpar.runtime.zero3 import Zero3Gatherer, Zero3Regather
-
-STEP_HEAP_SLACK = 64 * 2**20  # FXPAR_TRIM_STEP: a step gives the heap's free pages back past this (memtrack.trim_heap)
 
 
 class PricedPlan:
@@ -156,11 +151,14 @@ class CompiledModel(PricedPlan):
                  max_grad_norm: float | None = None, param_groups: ParamGroups | None = None):
         self.mesh = device_mesh  # torch's DeviceMesh (None on one rank)
         self.timeout = timeout
-        self.steps = 0  # training steps run
         super().__init__(build, model, plan, mesh, actions, example_args, example_kwargs, optimizer, device=device,
                          program=program, param_groups=param_groups, runtime=self._runtime, create_groups=True)
-        self.clipper = make_clipper(max_grad_norm, self._train, mesh, self._named, self.engine, device,
-                                    self.ep.info.experts if self.ep.info is not None else ())
+        clipper = make_clipper(max_grad_norm, self._train, mesh, self._named, self.engine, device,
+                               self.ep.info.experts if self.ep.info is not None else ())
+        self.training = TrainingStep(mesh, device, self.engine, self.optimizer, clipper, self._tied_groups, self.ep)
+
+    clipper = property(lambda self: self.training.clipper)
+    steps = property(lambda self: self.training.steps, doc="training steps run")
 
     # ---- building ----------------------------------------------------------------------------------
     def _runtime(self, result: CompileResult) -> PipelineRuntime:
@@ -194,36 +192,9 @@ class CompiledModel(PricedPlan):
             raise PlanError("the model returned no loss for these inputs: pass labels (or whatever makes "
                             f"{type(self.model).__name__} compute its loss)")
         every = self._microbatches(result, setup, args, kwargs)
-        for _, p in self._my_named_parameters(result.pipeline):
-            p.grad = None
-        if self.engine is not None:
-            self.engine.start_step(self.programs.last_key)  # gradient counts are learned per program
-        self.ep.start()  # the all-to-all bytes and the experts' loads of this step
         weights = self._mine(loss_weights(result.program, every, self.model))  # shares of the global batch
-        out = runtime.run(self._mine(every), train=True, loss_weights=weights)
-        sum_tied_grads(self._tied_groups, result.program, self.pp_rank)
-        loss_stage = next(s for s in result.pipeline.stages if result.pipeline.loss_output in s.final)
-        loss = sum((out.losses[i].detach() for i in sorted(out.losses)), torch.zeros(())).to(self.device).reshape(())
-        work = None
-        if self.world > 1:  # the loss stage's TP rank 0 of every replica holds its share of the global loss
-            if not (loss_stage.rank == self.pp_rank and self.tp_rank == 0):
-                loss.zero_()
-            work = dist_calls.all_reduce(loss, async_op=True)  # in flight while gradients sync and the optimizer steps
-        if self.engine is not None:
-            self.engine.finish()
-        if self.clipper is not None:  # between the gradients' sync and the optimizer step
-            self.clipper.clip()
-        if self.engine is not None:
-            self.engine.update()
-        elif self.optimizer is not None:
-            self.optimizer.step()
-        if work is not None:
-            work.wait()
-        self.ep.finish()
-        self.steps += 1
-        if run_options().trim_step:  # FXPAR_TRIM_STEP: the freed activations and buckets go back to the system
-            trim_heap(STEP_HEAP_SLACK)
-        return loss
+        params = [p for _, p in self._my_named_parameters(result.pipeline)]
+        return self.training.run(result, runtime, self._mine(every), weights, params, self.programs.last_key)
 
     @guarded("an inference forward")
     @torch.no_grad()
@@ -231,32 +202,10 @@ class CompiledModel(PricedPlan):
         """Inference: forward over the microbatches; the model's outputs, gathered on every rank."""
         result, runtime, setup = self.programs.get(args, kwargs)
         every = self._microbatches(result, setup, args, kwargs)
-        out = runtime.run(self._mine(every), train=False)  # outputs are exchanged below
-        pipeline = result.pipeline
-        outs = []
-        for j in range(pipeline.num_user_outputs):
-            stage = next((s for s in pipeline.stages if j in s.final), None)
-            if stage is None:
-                outs.append(None)
-                continue
-            val = stage.output_val(stage.final[j])
-            # every replica's slice written in place by its owner (the stage's TP rank 0), then summed
-            shape = (val.shape[0] * self.m * self.dp, *val.shape[1:]) if val.dim() > 0 else ()
-            full = torch.zeros(shape, dtype=val.dtype, device=self.device)
-            if stage.rank == self.pp_rank and self.tp_rank == 0:
-                parts = [out.outputs[i][j] for i in range(self.m)]
-                if val.dim() > 0:
-                    n = val.shape[0] * self.m
-                    full[self.dp_rank * n:(self.dp_rank + 1) * n] = torch.cat(parts)
-                else:  # a scalar; the loss weighs each microbatch by its share of the batch's counted labels
-                    w = (self._mine(loss_weights(result.program, every, self.model)) if j == pipeline.loss_output
-                         else [1 / (self.m * self.dp)] * self.m)
-                    full = sum((a * b for a, b in zip(w, parts) if a),
-                               torch.zeros((), device=self.device)).to(val.dtype)
-            if self.world > 1:
-                dist_calls.all_reduce(full)
-            outs.append(full)
-        return pytree.tree_unflatten(outs, result.program.out_spec)
+        out = runtime.run(self._mine(every), train=False)  # outputs are exchanged by gather_outputs
+        m, loss = self.m, result.pipeline.loss_output
+        return gather_outputs(result, out, self.spec, m, self.device, lambda j: (
+            self._mine(loss_weights(result.program, every, self.model)) if j == loss else [1 / (m * self.dp)] * m))
 
     generate = generate  # greedy or sampled decoding, the same tokens on every rank (fxpar.runtime.generate)
 
