@@ -1,16 +1,16 @@
 """``PricedPlan``: a plan compiled for one rank (what the API's ``price`` returns); ``CompiledModel``: a
 priced plan that runs training steps and inference.
 
-It composes small parts: the batch cut into microbatches (``fxpar.ir.batch``), the pipeline runtime,
-the data-parallel engine (DDP / ZeRO-1/2) or ZeRO-3's regathering (``fxpar.runtime.zero3``), the tied
-gradients (``fxpar.runtime.tied``), the global gradient-norm clipping between the gradients' sync and
-the optimizer step (``fxpar.runtime.grad_norm``) and the full-state gathering (``fxpar.runtime.state``).
-What to run comes from ``build`` (:class:`fxpar.ir.build.Build`, made by ``fxpar.compile``), which traces one
-input signature and runs the pass list on it, Inductor included: one :class:`~fxpar.ir.stage.CompileResult` per
-signature, cached on the
-pytree structure *and* every tensor's shape and dtype (``fxpar.runtime.programs``), so a graph traced
-for one shape never runs on another; each microbatch is checked against its program's traced shapes
-as well.
+``CompiledModel`` is a facade over small parts: the batch cut into microbatches (``fxpar.ir.batch``), the
+program cache, the pipeline runtime, the training step (``fxpar.runtime.train_step``: the data-parallel
+engine (DDP / ZeRO-1/2) or the optimizer, the tied gradients, the gradient-norm clipping between the
+gradients' sync and the optimizer step), ZeRO-3's regathering (``fxpar.runtime.zero3``), the inference
+outputs' gathering and the full-state gathering (``fxpar.runtime.state``). What to run comes from
+``build`` (:class:`fxpar.ir.build.Build`, made by ``fxpar.compile``), which traces one input signature and
+runs the pass list on it, Inductor included: one :class:`~fxpar.ir.stage.CompileResult` per signature,
+cached on the pytree structure *and* every tensor's shape and dtype (``fxpar.runtime.programs``), so a
+graph traced for one shape never runs on another; each microbatch is checked against its program's
+traced shapes as well. This rank's coordinates are its :class:`~fxpar.ir.mesh.MeshSpec`'s.
 
 Every rank calls ``step``/``__call__`` with the same full (global) batch: each data-parallel replica
 takes its slice, and only the stages a rank runs read it (the first stage its input ids, the last its
