@@ -114,7 +114,13 @@ def comm_share(profile: DeviceProfile, busy_ranks: float, group: int | None = No
     compute's share with ``busy_ranks`` busy over its share with the group's own ranks busy (the calibration
     timed each group size with its ranks alone running: a collective's reductions and copies are work on
     those cores like any other, slowed by the ranks outside the group; ``group`` None: the measured factor
-    alone). 1.0 where neither says otherwise."""
+    alone). 1.0 where neither says otherwise, and where the group holds every busy rank."""
+    if group is not None and busy_ranks <= group:
+        # no rank outside the group computes beside it: the calibration timed this group size with its ranks
+        # alone running, which is this case (a measured factor here is what ranks of the same group do to
+        # each other's collectives, already in the group's alpha-beta; between two calibrations on this host
+        # it read 1.26 and 0.20 for 8 of 8 ranks)
+        return 1.0
     measured = 1.0
     if profile.comm_share:
         measured = min(1.0, dataclasses.replace(profile, compute_share=profile.comm_share).share(round(busy_ranks)))

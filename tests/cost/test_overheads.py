@@ -77,13 +77,15 @@ def test_fields_round_trip(tmp_path):
 def test_collectives_slowed_by_the_ranks_outside_their_group():
     """On a host whose collectives run on the computing cores (gloo on a CPU: comm_overlaps False), a group of 2
     while 4 ranks compute runs at compute_share[4] / compute_share[2] = 0.5 (the calibration timed it with its 2
-    ranks alone), a group of all 4 at 1, and never faster than the measured comm_share; a GPU host's
+    ranks alone), a group of all 4 at 1 (no rank outside it: the case the calibration timed, whatever comm_share
+    reads), a group of 2 never faster than the measured comm_share; a GPU host's
     collectives (copy engines) are not slowed; dp_bucket_count follows the engine's 1 MiB first bucket."""
     from fxpar.cost.overheads import comm_share, dp_bucket_count
 
     cpu = measured(comm_overlaps=False)
     assert comm_share(cpu, 4, 2) == pytest.approx(0.5)
-    assert comm_share(cpu, 4, 4) == pytest.approx(0.8)  # the measured comm_share[4]: lower than 1
+    assert comm_share(cpu, 4, 4) == 1.0  # every busy rank in the group
+    assert comm_share(dataclasses.replace(cpu, comm_share={4: 0.3}), 4, 2) == pytest.approx(0.3)
     assert comm_share(dataclasses.replace(cpu, comm_share={}), 4, 4) == 1.0
     assert comm_share(dataclasses.replace(measured(comm_overlaps=True), comm_share={}), 4, 2) == 1.0
     assert comm_share(cpu, 4) == pytest.approx(0.8)  # no group: the measured factor alone
