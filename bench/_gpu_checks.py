@@ -103,10 +103,6 @@ def kernels(env: Env):
         ("pack_shard fp32->bf16, whole bucket", numel * 6, lambda b: bk.pack_shard(masters, 1, 0, torch.bfloat16, b)),
         (f"pack_shard fp32->bf16, rank 7 of {dp}", numel * 6 // dp,
          lambda b: bk.pack_shard(masters, dp, dp - 1, torch.bfloat16, b)),
-        (f"pack_grads bf16->fp32 /{dp}, flat", numel * 6,
-         lambda b: bk.pack_grads(grads, dp, torch.float32, float(dp), False, b)),
-        (f"pack_grads bf16->fp32 /{dp}, chunked", numel * 6,
-         lambda b: bk.pack_grads(grads, dp, torch.float32, float(dp), True, b)),
         ("copy_out bf16->bf16", numel * 4, lambda b: (bk.copy_out(flat, outs[b], b), torch.cat(
             [o.view(-1) for o in outs[b]]))[1]),
         ("quantize_shard fp32->int8", numel * 5, lambda b: torch.cat(

@@ -5,8 +5,8 @@ the same plumbing on the CPU with tiny shapes (CI runs it, so it cannot rot).
 
 Sections (each runs even when an earlier one failed; the exit status is 1 if any failed):
 
-1. **kernels**: each Triton kernel (ZeRO bucket ``pack_shard`` / ``pack_grads`` in both layouts /
-   ``copy_out``, int8 ``quantize_shard`` / ``dequantize_copy_out``, the fused loss's ``stats`` / ``grad``)
+1. **kernels**: each Triton kernel (ZeRO bucket ``pack_shard`` / ``copy_out``, int8 ``quantize_shard`` /
+   ``dequantize_copy_out``, the fused loss's ``stats`` / ``grad``)
    compiled for the device and checked against its torch path on the same tensors (equal where the
    kernel's contract says bit-equal), then both timed (median of CUDA-event times; GB/s counts bytes read
    plus bytes written once) on a Llama-7B-shaped decoder layer's bucket (202M entries).

@@ -68,6 +68,7 @@ class _Bucket(FlatBucket):
     def __init__(self, params: list[tuple[str, torch.nn.Parameter]], dp: int, rank: int, keep: bool):
         super().__init__([n for n, _ in params], [p.shape for _, p in params], dp)
         self.params = [p for _, p in params]
+        self.rank = rank  # this rank's index in the group the bucket shards over
         self.lo, self.hi = self.shard_range(rank)
         self.keep = keep  # the flat buffer lives from step to step (zero=0/1; zero=2 frees it)
         self.work = None  # the async collective in flight
@@ -78,10 +79,14 @@ class _Bucket(FlatBucket):
         self.shard: torch.nn.Parameter | None = None
         self.group = ""  # the name of the group its gradients are reduced over (set by the engine)
 
-    def local_flat(self, grads: bool) -> torch.Tensor:
-        """A new padded flat buffer of the parameters' gradients (``grads``) or values."""
-        p0 = self.params[0]
-        return self.flatten([p.grad if grads else p.data for p in self.params], dtype=p0.dtype, device=p0.device)
+    def master_shard(self) -> torch.Tensor:
+        """A new fp32 copy of this rank's shard of the parameters' values (padding zero), packed in one
+        launch (``fxpar_kernels::pack_shard``: Triton on CUDA, torch's copy-in elsewhere) without making
+        the whole flat bucket."""
+        from fxpar.runtime.kernels import buckets  # on first use: the kernels module loads triton
+
+        with torch.no_grad():
+            return buckets.pack_shard([p.data for p in self.params], self.dp, self.rank, torch.float32)
 
     def fill(self, i: int) -> None:
         """Copy parameter ``i``'s gradient (zeros if it has none) into its place in the flat buffer."""
@@ -143,8 +148,7 @@ class DataParallelEngine:
         self.slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         if zero in (1, 2):
             for b in self.buckets:
-                b.shard = torch.nn.Parameter(b.local_flat(False)[b.lo:b.hi].float().clone().to(self.home or
-                                                                                                b.params[0].device))
+                b.shard = torch.nn.Parameter(b.master_shard().to(self.home or b.params[0].device))
             self.optimizer = make_optimizer(optimizer_factory, [b.shard for b in self.buckets], param_groups,
                                             [group(b.params[0]) for b in self.buckets])
         else:
@@ -153,8 +157,9 @@ class DataParallelEngine:
             check_optimizer(self.optimizer, zero)
         # payload bytes in the last step (the full tensor each collective works on)
         self.comm: dict[str, int] = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
-        # fxpar_kernels this engine launches (fxpar inspect lists them): the updated shards' copy-out
-        self.kernels: tuple[str, ...] = ("copy_out",) if zero in (1, 2) and dp > 1 else ()
+        # fxpar_kernels this engine launches (fxpar inspect lists them): the master shards' copy-in (once),
+        # the updated shards' copy-out
+        self.kernels: tuple[str, ...] = ("pack_shard",) * (zero in (1, 2)) + ("copy_out",) * (zero in (1, 2) and dp > 1)
         self.counts: dict[int, int] = {}
         self.expected: dict[int, int] | None = None  # the current program's, learned on its first step
         self.learned: dict[object, dict[int, int]] = {}  # program key -> gradients per parameter per step

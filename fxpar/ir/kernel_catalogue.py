@@ -39,6 +39,6 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            "linear -> sequence-parallel reduce-scatter, chunked, overlapping the next chunk", triton=False),
     Kernel("quantize_shard", "quant", "int8 block quantization of a ZeRO-3 shard (copy-in of the gather)"),
     Kernel("dequantize_copy_out", "quant", "int8 dequantization of a gathered bucket (copy-out)"),
-    Kernel("pack_grads", "buckets", "gradient bucket copy-in for the reduction (cast, padded, one launch)"),
+    Kernel("pack_shard", "buckets", "ZeRO-1/2 fp32 master shard of a parameter bucket (cast, padded, one launch)"),
     Kernel("copy_out", "buckets", "gathered bucket split back into the parameters (one launch)"),
 )}

@@ -27,11 +27,9 @@ __all__ = ["CUDA_DEFAULT", "TRITON_ENV", "forced", "use_triton"]
 TRITON_ENV = "FXPAR_KERNELS_TRITON"
 BACKENDS = ("auto", "torch", "triton")
 # The ops whose Triton path "auto" picks on CUDA: those `./dev gpu` measured faster than their torch path
-# (docs/benchmarks.md, "GPU checks", an H100): pack_shard 1.28-1.33x, pack_grads 2.1-2.3x, quantize_shard
-# 2.6x, dequantize_copy_out 2.1x, the fused loss's per-chunk kernels 2.2-2.8x. copy_out's Triton path was
-# 0.98x torch's: torch's stays.
-CUDA_DEFAULT = frozenset({"pack_shard", "pack_grads", "quantize_shard", "dequantize_copy_out",
-                          "linear_cross_entropy"})
+# (docs/benchmarks.md, "GPU checks", an H100): pack_shard 1.28-1.33x, quantize_shard 2.6x, dequantize_copy_out
+# 2.1x, the fused loss's per-chunk kernels 2.2-2.8x. copy_out's Triton path was 0.98x torch's: torch's stays.
+CUDA_DEFAULT = frozenset({"pack_shard", "quantize_shard", "dequantize_copy_out", "linear_cross_entropy"})
 
 _FORCED: contextvars.ContextVar[str] = contextvars.ContextVar("fxpar_kernels_forced", default="auto")
 

@@ -1,27 +1,24 @@
 """ZeRO bucket copy-in / copy-out: many tensors packed, cast and padded into one flat buffer (and back)
 in one launch, as ``torch.library.custom_op``s in the ``fxpar_kernels`` namespace.
 
-Reads: a bucket's tensors (parameters, fp32 master weights, or their gradients) and its layout,
+Reads: a bucket's tensors (parameters or fp32 master weights) and its layout,
 :class:`~fxpar.ir.buckets.FlatBucket` (tensor ``i`` at ``offsets[i]``, the whole padded with zeros to
 ``shard_numel * dp``, rank ``r`` owning ``[r * shard_numel, (r + 1) * shard_numel)``). Writes new flat
 buffers, or the tensors handed to :func:`copy_out`.
 
 The ops:
 
-* ``pack_shard(tensors, dp, rank, dtype)``: the all-gather input, this rank's shard of the bucket cast
-  to ``dtype`` (fp32 masters -> bf16 compute dtype), padding zeroed.
-* ``pack_grads(grads, dp, dtype, divide, chunked)``: the reduce-scatter input, ``[dp, shard]`` in
-  ``dtype`` (bf16 gradients -> fp32 reduction dtype), each entry divided by ``divide`` (1/world
-  pre-divide; 1.0: none). ``chunked=False`` is the FlatBucket layout; ``chunked=True`` is
-  ``torch._chunk_cat(grads, 0, dp)``'s (each tensor cut per rank along dim 0, each cut padded).
+* ``pack_shard(tensors, dp, rank, dtype)``: this rank's shard of the bucket cast to ``dtype``, padding
+  zeroed: the ZeRO-1/2 engine's fp32 master shard of a bucket of parameters
+  (:mod:`fxpar.runtime.data_parallel`), made without the whole flat bucket.
 * ``copy_out(flat, outs)``: the gathered flat buffer split back into the tensors ``outs`` (in place,
   cast to their dtype). ``unpack`` wraps it to return new parameter-shaped tensors.
 
-Each op has a torch path (torch's FSDP copy ops or ``torch._chunk_cat``, which run on every device)
+Each op has a torch path (torch's FSDP copy ops, which run on every device)
 and a Triton path: one multi-tensor kernel reading a table of data pointers (which path runs:
 :func:`fxpar.runtime.kernels.use_triton`; the Triton interpreter runs it on CPU with
 ``TRITON_INTERPRET=1``). Why a kernel of our own: torch's copy-in casts per tensor through
-``_foreach_copy_`` and cannot pre-divide; here pack, cast, pad and divide are one pass over the bucket.
+``_foreach_copy_``; here pack, cast and pad are one pass over the bucket.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ try:
 except ImportError:  # the kernels are optional: every op keeps its torch path
     triton = tl = None
 
-__all__ = ["pack_shard", "pack_grads", "copy_out", "unpack"]
+__all__ = ["pack_shard", "copy_out", "unpack"]
 
 BLOCK = 1024  # elements per program of the copy kernels
 
@@ -61,28 +58,6 @@ def shard_segments(numels: tuple[int, ...], dp: int, rank: int) -> tuple[tuple[i
             out.append((i, a - off, a - lo, b - a))
         off += n
     return tuple(out)
-
-
-@functools.lru_cache(maxsize=256)
-def chunk_segments(shapes: tuple[tuple[int, ...], ...], dp: int) -> tuple[tuple[int, int, int, int], ...]:
-    """``torch._chunk_cat(tensors, 0, dp)``'s layout: row ``j`` holds chunk ``j`` (along dim 0, padded to
-    ``ceil(dim0 / dp)`` rows) of every tensor in turn."""
-    rows = [s[0] if s else 1 for s in shapes]
-    inner = [math.prod(s[1:]) if s else 1 for s in shapes]
-    cols = [math.ceil(r / dp) * k for r, k in zip(rows, inner)]
-    width, out = sum(cols), []
-    for j in range(dp):
-        col = 0
-        for i, (r, k, c) in enumerate(zip(rows, inner, cols)):
-            a, b = min(j * (c // k), r), min((j + 1) * (c // k), r)
-            if a < b:
-                out.append((i, a * k, j * width + col, (b - a) * k))
-            col += c
-    return tuple(out)
-
-
-def chunked_shard_numel(shapes: Sequence[Sequence[int]], dp: int) -> int:
-    return sum(math.ceil((s[0] if s else 1) / dp) * math.prod(s[1:]) for s in shapes)
 
 
 # ---- torch paths ------------------------------------------------------------------------------------
@@ -180,14 +155,11 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _pack_kernel(out, ptrs, dst, lens, firsts, lasts, elem_ptr, n_out, divide,
-                     DIVIDE: tl.constexpr, BLOCK: tl.constexpr):
+    def _pack_kernel(out, ptrs, dst, lens, firsts, lasts, elem_ptr, n_out, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         x = gather_segments(ptrs, dst, lens, tl.load(firsts + pid), tl.load(lasts + pid), offs, elem_ptr,
                             BLOCK)
-        if DIVIDE:
-            x = x / divide
         tl.store(out + offs, x.to(out.dtype.element_ty), mask=offs < n_out)
 
     @triton.jit
@@ -208,7 +180,7 @@ if triton is not None:
         tl.store(base + offs, x.to(elem_ptr.dtype.element_ty), mask=inside)
 
 
-def _pack_triton(tensors: list[torch.Tensor], segs, out: torch.Tensor, divide: float) -> None:
+def _pack_triton(tensors: list[torch.Tensor], segs, out: torch.Tensor) -> None:
     srcs = [t.contiguous() for t in tensors]
 
     def build():
@@ -216,8 +188,7 @@ def _pack_triton(tensors: list[torch.Tensor], segs, out: torch.Tensor, divide: f
         return (ptrs, dst, lens, *block_ranges(dst, lens, out.numel(), BLOCK))
     ptrs, dst, lens, first, last = cached_tables(table_key("pack", srcs, segs, out.numel(), out.device), build)
     if len(first):
-        _pack_kernel[(len(first),)](out, ptrs, dst, lens, first, last, srcs[0], out.numel(), float(divide),
-                                    DIVIDE=divide != 1.0, BLOCK=BLOCK)
+        _pack_kernel[(len(first),)](out, ptrs, dst, lens, first, last, srcs[0], out.numel(), BLOCK=BLOCK)
 
 
 def launch_scatter(flat: torch.Tensor, outs: list[torch.Tensor], scales: torch.Tensor | None = None,
@@ -257,12 +228,12 @@ def _check_bucket(tensors: Sequence[torch.Tensor], what: str) -> None:
 def pack_shard(tensors: list[torch.Tensor], dp: int, rank: int, dtype: torch.dtype,
                backend: str = "auto") -> torch.Tensor:
     """Rank ``rank``'s shard (``FlatBucket.shard_numel`` entries) of the bucket ``tensors`` over ``dp``
-    ranks, cast to ``dtype``: the all-gather input."""
+    ranks, cast to ``dtype``."""
     _check_bucket(tensors, "pack_shard")
     segs = shard_segments(tuple(t.numel() for t in tensors), dp, rank)
     out = torch.empty(math.ceil(sum(t.numel() for t in tensors) / dp), dtype=dtype, device=tensors[0].device)
     if use_triton("pack_shard", out.device, backend):
-        _pack_triton(list(tensors), segs, out, 1.0)
+        _pack_triton(list(tensors), segs, out)
     else:
         _pack_torch(list(tensors), segs, out)
     return out
@@ -271,40 +242,6 @@ def pack_shard(tensors: list[torch.Tensor], dp: int, rank: int, dtype: torch.dty
 @pack_shard.register_fake
 def _(tensors, dp, rank, dtype, backend="auto"):
     return tensors[0].new_empty(math.ceil(sum(t.numel() for t in tensors) / dp), dtype=dtype)
-
-
-@torch.library.custom_op("fxpar_kernels::pack_grads", mutates_args=())
-def pack_grads(grads: list[torch.Tensor], dp: int, dtype: torch.dtype, divide: float = 1.0,
-               chunked: bool = False, backend: str = "auto") -> torch.Tensor:
-    """The reduce-scatter input ``[dp, shard]`` of the gradient bucket ``grads``, cast to ``dtype`` and
-    divided by ``divide``: FlatBucket's layout, or ``torch._chunk_cat(grads, 0, dp)``'s (``chunked``).
-    The Triton path divides in fp32 before the cast, the torch path after it: the two agree bit for bit
-    when ``dtype`` is fp32 or the division is exact (a power-of-two world)."""
-    _check_bucket(grads, "pack_grads")
-    if chunked:
-        shapes = tuple(tuple(g.shape) for g in grads)
-        segs, width = chunk_segments(shapes, dp), chunked_shard_numel(shapes, dp)
-    else:
-        numels = tuple(g.numel() for g in grads)
-        segs, width = shard_segments(numels, 1, 0), math.ceil(sum(numels) / dp)
-    out = torch.empty(dp, width, dtype=dtype, device=grads[0].device)
-    if use_triton("pack_grads", out.device, backend):
-        _pack_triton(list(grads), segs, out.view(-1), divide)
-        return out
-    if chunked:
-        torch._chunk_cat([g if g.dim() else g.reshape(1) for g in grads], 0, dp, out=out)
-    else:
-        _pack_torch(list(grads), segs, out.view(-1))
-    if divide != 1.0:
-        out.div_(divide)
-    return out
-
-
-@pack_grads.register_fake
-def _(grads, dp, dtype, divide=1.0, chunked=False, backend="auto"):
-    width = chunked_shard_numel([tuple(g.shape) for g in grads], dp) if chunked else \
-        math.ceil(sum(g.numel() for g in grads) / dp)
-    return grads[0].new_empty(dp, width, dtype=dtype)
 
 
 @torch.library.custom_op("fxpar_kernels::copy_out", mutates_args=("outs",))

@@ -222,3 +222,35 @@ def dp_training_one_replica() -> dict:
         compiled = fxpar.compile(zoo.build("llama", seed=0), f"zero={zero}", example_kwargs=batch, optimizer=adamw)
         out[zero] = compare_trajectory(compiled, trajectory, batch)
     return out
+
+
+def test_zero_1_and_2_master_shards_are_packed_by_the_bucket_kernel():
+    """ZeRO-1/2 make each bucket's fp32 master shard with ``fxpar_kernels::pack_shard`` (one call per
+    bucket, no whole flat bucket): this rank's slice of FlatBucket's flat layout, padding zero, bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fxpar.ir.buckets import FlatBucket
+    from fxpar.runtime.data_parallel import DataParallelEngine
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+    g = torch.Generator().manual_seed(0)
+    named = [(f"p{i}", torch.nn.Parameter(torch.randn(s, generator=g).bfloat16())) for i, s in
+             enumerate([(7, 5), (3,), (4, 2, 3), (1,)])]
+    for zero in (1, 2):
+        with Calls() as calls:
+            engine = DataParallelEngine(named, lambda ps: torch.optim.SGD(ps, lr=0.1), dp=3, rank=1, zero=zero,
+                                        bucket_bytes=64, first_bucket_bytes=64)
+        assert len(engine.buckets) > 1 and "pack_shard" in engine.kernels
+        assert calls.ops.count("fxpar_kernels.pack_shard.default") == len(engine.buckets)
+        for b in engine.buckets:
+            ref = FlatBucket(b.names, b.shapes, 3).flatten([p.data for p in b.params], dtype=torch.float32,
+                                                           device="cpu")
+            assert b.shard.dtype == torch.float32 and torch.equal(b.shard.detach(), ref[b.lo:b.hi])
+        engine.close()

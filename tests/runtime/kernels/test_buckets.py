@@ -1,5 +1,5 @@
 """ZeRO bucket copy-in / copy-out kernels (fxpar.runtime.kernels.buckets): the torch path against plain
-torch (FlatBucket's own flatten / views, a hand-built chunk-and-pad), per rank and with padding; fake
+torch (FlatBucket's own flatten / views), per rank and with padding; fake
 kernels; then the Triton path against the torch path under the Triton interpreter, in one subprocess
 (TRITON_INTERPRET must be set before triton decorates the kernels): bit-exact for fp32 and fp16, bf16
 downcasts within 1 ulp (the interpreter truncates where torch rounds to nearest even)."""
@@ -7,7 +7,6 @@ downcasts within 1 ulp (the interpreter truncates where torch rounds to nearest 
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxpar.ir.buckets import FlatBucket
 from fxpar.runtime import kernels
 from fxpar.runtime.kernels import buckets
-from fxpar.runtime.kernels.buckets import copy_out, pack_grads, pack_shard, unpack
+from fxpar.runtime.kernels.buckets import copy_out, pack_shard, unpack
 
 # odd sizes: pieces straddle kernel blocks and rank shards; a 0-d tensor; 3256 entries in all
 SHAPES = [(33, 17), (5,), (64, 40), (3,), (7, 9, 2), ()]
@@ -33,18 +32,6 @@ def bucket(shapes=SHAPES, dtype=torch.float32, seed=0) -> list[torch.Tensor]:
 def reference_flat(tensors, dp, dtype) -> torch.Tensor:
     fb = FlatBucket([str(i) for i in range(len(tensors))], [t.shape for t in tensors], dp)
     return fb.flatten([t.to(dtype) for t in tensors], dtype=dtype, device="cpu")
-
-
-def reference_chunk_cat(tensors, dp, dtype) -> torch.Tensor:
-    """``[dp, width]``: row j holds, for every tensor in turn, its j-th chunk of ceil(dim0 / dp) rows, padded."""
-    rows = []
-    for t in tensors:
-        t = t.reshape(1) if t.dim() == 0 else t
-        c = math.ceil(t.shape[0] / dp)
-        padded = torch.zeros((c * dp, *t.shape[1:]), dtype=dtype)
-        padded[:t.shape[0]] = t.to(dtype)
-        rows.append(padded.reshape(dp, -1))
-    return torch.cat(rows, dim=1)
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -80,23 +67,6 @@ def test_pack_shard_rank_of_padding_only():
         [[1.0], [2.0], [3.0], [0.0]]
 
 
-@pytest.mark.parametrize("dp", [1, 2, 4])
-def test_pack_grads_flat_upcasts_and_divides(dp):
-    grads = bucket(dtype=torch.bfloat16, seed=1)
-    out = pack_grads(grads, dp, torch.float32, divide=float(dp), backend="torch")
-    assert out.shape == (dp, math.ceil(3256 / dp)) and out.dtype == torch.float32
-    assert torch.equal(out, (reference_flat(grads, dp, torch.float32) / dp).view(dp, -1))
-    plain = pack_grads(grads, dp, torch.float32, backend="torch")
-    assert torch.equal(plain.view(-1), reference_flat(grads, dp, torch.float32))
-
-
-@pytest.mark.parametrize("dp", [2, 3, 4])
-def test_pack_grads_chunked_is_chunk_cat(dp):
-    grads = bucket(dtype=torch.bfloat16, seed=2)
-    out = pack_grads(grads, dp, torch.float32, divide=3.0, chunked=True, backend="torch")
-    assert torch.equal(out, reference_chunk_cat(grads, dp, torch.float32) / 3.0)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_copy_out_and_unpack(dtype):
     ts = bucket(seed=3)
@@ -129,7 +99,7 @@ def test_backend_choice(monkeypatch):
         pytest.skip("triton is not installed")
     monkeypatch.delenv(kernels.TRITON_ENV, raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    ops = ("pack_shard", "pack_grads", "copy_out", "quantize_shard", "dequantize_copy_out", "linear_cross_entropy")
+    ops = ("pack_shard", "copy_out", "quantize_shard", "dequantize_copy_out", "linear_cross_entropy")
     # on CUDA "auto" picks Triton only for the ops measured faster there (CUDA_DEFAULT); never on the CPU
     for op in ops:
         assert kernels.use_triton(op, cuda) == (op in kernels.CUDA_DEFAULT), op
@@ -140,7 +110,7 @@ def test_backend_choice(monkeypatch):
         assert all(kernels.use_triton(op, cpu) for op in ops) and not kernels.use_triton("copy_out", cpu, "torch")
         monkeypatch.setenv(kernels.TRITON_ENV, "0")  # the one environment switch wins over a forced block
         assert not any(kernels.use_triton(op, cuda) for op in ops)
-        assert kernels.use_triton("pack_grads", cuda, "triton")  # an explicit backend still wins
+        assert kernels.use_triton("pack_shard", cuda, "triton")  # an explicit backend still wins
     monkeypatch.setenv(kernels.TRITON_ENV, "1")
     assert all(kernels.use_triton(op, cpu) for op in ops)
     monkeypatch.setenv(kernels.TRITON_ENV, "yes")
@@ -153,24 +123,21 @@ def test_backend_choice(monkeypatch):
 def test_fake_kernels_trace():
     def f(a, b, flat):
         shard = torch.ops.fxpar_kernels.pack_shard([a, b], 4, 1, torch.bfloat16)
-        grads = torch.ops.fxpar_kernels.pack_grads([a, b], 4, torch.float32, 4.0, True)
         out = torch.empty_like(a)
         torch.ops.fxpar_kernels.copy_out(flat, [out])
-        return shard, grads, out
+        return shard, out
     with FakeTensorMode():
-        shard, grads, out = f(torch.empty(10, 3), torch.empty(5), torch.empty(40))
+        shard, out = f(torch.empty(10, 3), torch.empty(5), torch.empty(40))
     assert (shard.shape, shard.dtype) == ((9,), torch.bfloat16)
-    assert (grads.shape, grads.dtype) == ((4, 3 * 3 + 2), torch.float32)
     assert out.shape == (10, 3)
 
 
-@pytest.mark.parametrize("op", ["pack_shard", "pack_grads", "copy_out"])
+@pytest.mark.parametrize("op", ["pack_shard", "copy_out"])
 def test_opcheck(op):
     """torch's own checks of a custom op: schema (mutations declared), fake kernel, autograd registration,
     AOT dispatch."""
     ts = [torch.randn(5, 3), torch.randn(7)]
     args = {"pack_shard": (ts, 2, 1, torch.bfloat16, "torch"),
-            "pack_grads": ([t.bfloat16() for t in ts], 2, torch.float32, 2.0, True, "torch"),
             "copy_out": (torch.randn(24), [torch.empty(5, 3), torch.empty(7)], "torch")}[op]
     torch.library.opcheck(getattr(torch.ops.fxpar_kernels, op), args)
 
@@ -184,19 +151,13 @@ def _compare(triton_out, torch_out, max_ulps) -> str | None:
     return None if d <= max_ulps else f"{d} ulps apart (allowed {max_ulps})"
 
 
-def _case_pack_shard(dtype, dp):
-    ts = bucket(seed=4)
+def _case_pack_shard(dtype, dp, src=torch.float32):
+    ts = bucket(dtype=src, seed=4)
     for rank in range(dp):
         err = _compare(pack_shard(ts, dp, rank, dtype, backend="triton"),
                        pack_shard(ts, dp, rank, dtype, backend="torch"), 1 if dtype == torch.bfloat16 else 0)
         if err:
             return f"rank {rank}: {err}"
-
-
-def _case_pack_grads(src, dst, divide, chunked):
-    grads = bucket(dtype=src, seed=5)
-    return _compare(pack_grads(grads, 4, dst, divide, chunked, backend="triton"),
-                    pack_grads(grads, 4, dst, divide, chunked, backend="torch"), 1 if dst == torch.bfloat16 else 0)
 
 
 def _case_copy_out(src, dst):
@@ -217,11 +178,8 @@ CASES = {
     "interpreted": (_case_interpreted,),
     **{f"pack_shard-{str(dt)[6:]}-dp{dp}": (_case_pack_shard, dt, dp)
        for dt in (F32, F16, BF16) for dp in (1, 3, 4)},
-    "pack_grads-flat-bf16-f32-div4": (_case_pack_grads, BF16, F32, 4.0, False),
-    "pack_grads-flat-f32-f32-div3": (_case_pack_grads, F32, F32, 3.0, False),
-    "pack_grads-flat-f32-bf16": (_case_pack_grads, F32, BF16, 1.0, False),
-    "pack_grads-chunked-bf16-f32-div4": (_case_pack_grads, BF16, F32, 4.0, True),
-    "pack_grads-chunked-f16-f16-div2": (_case_pack_grads, F16, F16, 2.0, True),
+    # the ZeRO-1/2 engine's master shards: parameters of any dtype up to fp32, exact
+    **{f"pack_shard-{str(src)[6:]}-to-float32-dp3": (_case_pack_shard, F32, 3, src) for src in (F16, BF16)},
     "copy_out-f32-f32": (_case_copy_out, F32, F32),
     "copy_out-bf16-bf16": (_case_copy_out, BF16, BF16),
     "copy_out-f16-f32": (_case_copy_out, F16, F32),
