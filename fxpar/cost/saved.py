@@ -76,7 +76,7 @@ class SavedTensors:
 
     def __init__(self, program: Program):
         self.program = program
-        self.flows = grad_flow(program, user_inputs=True)
+        self.flows = grad_flow(program, user_inputs=True, autograd=True)
         self.producer: dict[object, torch.fx.Node] = {}
         self.weights: set[object] = set()
         bound = {b.placeholder: b for b in program.inputs}

@@ -26,8 +26,10 @@ def grad_sources(program, *, user_inputs: bool = False) -> set[str]:
     return names
 
 
-def grad_flow(program, *, user_inputs: bool = False) -> set[torch.fx.Node]:
-    """Top-level nodes whose value depends on a gradient source."""
+def grad_flow(program, *, user_inputs: bool = False, autograd: bool = False) -> set[torch.fx.Node]:
+    """Top-level nodes whose value depends on a gradient source. ``autograd``: only those autograd records,
+    as the cost model's saved tensors need: a ``detach`` and a value that is not a floating tensor (a
+    comparison, an index) stop the flow (the vocabulary-parallel loss's max is taken of a detached input)."""
     sources = grad_sources(program, user_inputs=user_inputs)
     flows: set[torch.fx.Node] = set()
     for node in program.graph.nodes:
@@ -35,5 +37,16 @@ def grad_flow(program, *, user_inputs: bool = False) -> set[torch.fx.Node]:
             if node.name in sources:
                 flows.add(node)
         elif any(a in flows for a in node.all_input_nodes):
+            if autograd and (node.target is torch.ops.aten.detach.default or not _floating(node)):
+                continue
             flows.add(node)
     return flows
+
+
+def _floating(node: torch.fx.Node) -> bool:
+    """Whether a node's value holds a floating tensor (tuples: any of them); unknown values count as floating."""
+    v = node.meta.get(meta.VAL)
+    if v is None:
+        return True
+    vals = v if isinstance(v, (tuple, list)) else (v,)
+    return any(not isinstance(x, torch.Tensor) or x.is_floating_point() for x in vals)

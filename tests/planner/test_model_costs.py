@@ -247,3 +247,14 @@ def test_a_tied_embedding_is_held_again_by_the_stage_running_the_head():
     for stages in (2, 3):  # the first stage holds it for the embedding, the last again for the head
         assert sum(pricer._stages(stages, 1, False, 1, "none", stages, "fp32")["params"]) == \
             pytest.approx(costs.params + emb)
+
+
+def test_the_vocabulary_parallel_loss_saves_one_shard_of_logits_not_the_detached_max_input():
+    """At tp=1 the loss keeps its log-softmax ([tokens, vocab]); at tp=2 the vocabulary-parallel loss keeps its
+    exp ([tokens, vocab / 2]) and nothing for its max, which is taken of a detached input (no gradient)."""
+    model = zoo.build("llama", seed=0, num_hidden_layers=2, vocab_size=8192, hidden_size=64, intermediate_size=128)
+    costs = model_costs(model, SEQ, tp_degrees=(1, 2), sequence_parallel=(False,))
+    logits = SEQ * 8192 * 4
+    one, two = costs.part("post", 1).act["none"][0], costs.part("post", 2).act["none"][0]
+    assert logits <= one < 1.1 * logits
+    assert logits / 2 <= two < 0.6 * logits
