@@ -129,6 +129,36 @@ def _collective_calls(pg, me: int, sizes, reps: int) -> dict:
     return out
 
 
+def _ep_calls(pg, me: int, sizes, reps: int, experts: int = 4) -> dict:
+    """{op: (s per call, s per byte of its input rows)} of ``torch.ops.fxpar.ep_dispatch`` / ``ep_combine``
+    (:mod:`fxpar.runtime.expert_parallel`: the layout read off the counts, the reorder into and out of the
+    static ``[2 * N, H]`` buffer, the autograd record) beyond the raw ``all_to_all_single`` of the same rows, and
+    ``ep_counts`` beyond the raw all-gather of its ``experts`` counts, on two ranks with balanced routing."""
+    import fxpar.runtime.expert_parallel  # noqa: F401  (registers the ops' kernels)
+
+    ops = torch.ops.fxpar
+    per = torch.full((experts,), 1, dtype=torch.long)
+    offs = torch.cumsum(per, 0)
+    gathered = torch.empty(2 * experts, dtype=torch.long)
+    out = {"ep_counts": (max(0.0, _paired(lambda: ops.ep_counts(offs, _GROUP, "calibrate"),
+                                          lambda: all_gather_single(gathered, per, group=pg), reps, pg)), 0.0)}
+    pts: dict[str, list] = {"ep_dispatch": [], "ep_combine": []}
+    for nbytes in sizes:
+        rows = max(experts, nbytes // 4 // 64 // experts * experts)
+        counts = torch.full((2, experts), rows // experts, dtype=torch.long)  # every expert gets rows / E of each rank
+        x = torch.ones(rows, 64, requires_grad=True)
+        y = torch.ones(2 * rows, 64, requires_grad=True)
+        got = torch.empty(rows, 64)
+        raw = lambda: dist.all_to_all_single(got, x.detach(), group=pg)  # noqa: E731
+        with torch.enable_grad():
+            pts["ep_dispatch"].append((rows * 256, _paired(lambda: ops.ep_dispatch(x, counts, _GROUP, "calibrate"),
+                                                          raw, reps, pg)))
+            pts["ep_combine"].append((rows * 256, _paired(lambda: ops.ep_combine(y, counts, _GROUP, "calibrate"),
+                                                         raw, reps, pg)))
+    out.update({k: _fit(v) for k, v in pts.items()})
+    return out
+
+
 def _bucket_costs(me: int, reps: int) -> tuple[float, float]:
     """(s per bucket, bytes/s) of the DP engine's buckets: a backward into 8 tensors through
     :class:`DataParallelEngine` (hooks, copies into the buckets, launch, wait, views) against the same backward
@@ -241,6 +271,8 @@ def runtime_measurements(*, quick: bool = False, pipeline=None) -> dict:
         pg = _pg()
         out["collective_call"] = _collective_calls(pg, rank, (4 << 10, 256 << 10) if quick else
                                                    (4 << 10, 256 << 10, 2 << 20), reps)
+        out["collective_call"].update(_ep_calls(pg, rank, (16 << 10, 256 << 10) if quick else
+                                                (16 << 10, 256 << 10, 2 << 20), reps))
         out["gather_copy"] = out["collective_call"].pop("gather_params")
         a, b = out["gather_copy"]
         out["gather_copy"] = (a, 1 / b if b else 0.0)

@@ -15,7 +15,12 @@ nothing. It follows ``passes/expert_parallel.py`` and ``runtime/expert_parallel.
   (int64) per MoE layer and microbatch;
 * ``ep_dispatch`` writes into a static ``[ep * N, H]`` buffer (a rank may receive every token), and the
   expert ops after it are shaped by it: what they save for backward is ``ep`` times the tensors of the
-  region without ep (kept under recompute none and selective; recomputed, so transient, under layer).
+  region without ep (kept under recompute none and selective; recomputed, so transient, under layer),
+  and cost ``ep`` times their rows: a row-wise op (the activation, the gate's product) computes and moves
+  every row, a grouped matmul computes the routed rows only but zero-fills its ``ep``-times output;
+* fxpar's EP ops spend beyond their raw collectives what ``fxpar calibrate`` measured on their kernels
+  (``profile.collective_call["ep_counts" | "ep_dispatch" | "ep_combine"]``: the layout read off the counts,
+  the reorder into and out of the static buffer, the autograd record), per call and per byte of rows.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fxpar.cost.data_parallel import DpGroups, sent_bytes
+from fxpar.cost.overheads import call_time
 from fxpar.ir.errors import PlanError
 
 __all__ = ["Experts", "check_ep", "dp_sent", "ep_comm", "ep_groups", "ep_part", "ep_part_of", "variant_part"]
@@ -41,6 +47,7 @@ class Experts:
     combine: int  # bytes of the rows sent back (the regions' exits, summed)
     saved: int  # bytes the regions' ops save for backward (summed)
     layers: int = 1  # MoE layers in the part (each its all-to-alls and counts)
+    mms: tuple[int, ...] = ()  # those of ``rows`` that are the grouped matmuls (the others are row-wise)
 
 
 def ep_part(part, ex: Experts, ep: int):
@@ -48,16 +55,30 @@ def ep_part(part, ex: Experts, ep: int):
     if ep == 1:
         return part
     rows = set(ex.rows)
-    nodes = [(n[0], n[1], n[2], n[3] / ep, *n[4:]) if i in rows else n for i, n in enumerate(part.nodes)]
+    mms = set(ex.mms)
+    nodes = [_buffer_row(n, ep, i in mms) if i in rows else n for i, n in enumerate(part.nodes)]
     extra = (ep - 1) * ex.saved
     act = {p: (k + extra, t) if p != "layer" else (k, t + extra) for p, (k, t) in part.act.items()}
     return replace(part, nodes=nodes, params=part.params - ex.params + ex.params // ep, act=act, _times={})
 
 
-def ep_comm(profile, part, ep: int, batch: int, inter: bool, again: bool) -> tuple[float, float, int, float]:
+def _buffer_row(n: tuple, ep: int, mm: bool) -> tuple:
+    """A region op's row ``(fwd_flops, bwd_flops, act_bytes, weight_bytes[, out_bytes])`` on the static
+    ``[ep * N, H]`` buffer: a grouped matmul (``mm``) reads ``1 / ep`` of the weights and computes the same
+    routed rows (those past the offsets are skipped) but zero-fills its ``ep``-times output (and its input's
+    gradient); a row-wise op (the activation, the gate's product) computes and moves every row of the buffer."""
+    out = n[4] if len(n) > 4 else 0.0
+    if mm:
+        return (n[0], n[1], n[2] + (ep - 1) * out, n[3] / ep, ep * out)
+    return (ep * n[0], ep * n[1], ep * n[2], 0.0, ep * out)
+
+
+def ep_comm(profile, part, ep: int, batch: int, inter: bool, again: bool,
+            share: float = 1.0) -> tuple[float, float, int, float]:
     """(forward seconds, backward seconds, expert entries held, bytes this rank sends) of a microbatch of
     ``batch`` sequences' all-to-alls and counts in ``part``'s MoE layers, over ``ep`` ranks (``inter``: the
-    group spans nodes; ``again``: recompute runs the forward's again in backward)."""
+    group spans nodes; ``again``: recompute runs the forward's again in backward; ``share``: the compute's
+    share of a core, :meth:`DeviceProfile.share`, dividing what the ops spend on the rank's own core)."""
     ex = part.experts
     if ep == 1 or ex is None:
         return 0.0, 0.0, 0, 0.0
@@ -65,6 +86,11 @@ def ep_comm(profile, part, ep: int, batch: int, inter: bool, again: bool) -> tup
     a2a = profile.collective_time("all_to_all", ex.dispatch * batch / k, ep, inter) + \
         profile.collective_time("all_to_all", ex.combine * batch / k, ep, inter)
     counts = profile.collective_time("all_gather", COUNT_BYTES * ex.n_experts * ep, ep, inter)
+    # fxpar's ops beyond the raw collectives (fxpar calibrate): the counts' wrapper, the layout read off the
+    # counts, the reorder into and out of the static buffer; backward runs dispatch and combine once more each
+    a2a += (call_time(profile, "ep_dispatch", ex.dispatch * batch / k)
+            + call_time(profile, "ep_combine", ex.combine * batch / k)) / share
+    counts += call_time(profile, "ep_counts", COUNT_BYTES * ex.n_experts) / share
     share = (ep - 1) / ep
     sent = 2 * share * (ex.dispatch + ex.combine) * batch + k * COUNT_BYTES * ex.n_experts * (ep - 1)
     fwd = k * (a2a + counts)

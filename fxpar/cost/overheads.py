@@ -8,6 +8,8 @@ prices nothing:
 
 * ``collective_call[kind] = (a, b)``: one call of fxpar's collective op (dispatch, the copy of its input or
   output, the wait) beyond the raw torch.distributed collective: ``a`` per call plus ``b`` per full-tensor byte;
+  the expert-parallel ops' kinds (``ep_counts``, ``ep_dispatch``, ``ep_combine``: per byte of their rows) are
+  priced with their all-to-alls (:func:`fxpar.cost.experts.ep_comm`);
 * ``pipeline_action[schedule]``: the pipeline runtime's bookkeeping per action a rank runs (forward, backward,
   input- or weight-gradient of one microbatch on one stage), beyond the action's compute and its sends;
 * ``bucket_copy = (fixed, bw)``: per DP bucket (gradient hooks, launch, the gradients' views) and its

@@ -49,18 +49,20 @@ def read_experts(program, assign, node_rows) -> tuple[dict[str, Experts], str | 
         if part is None or any(n in first and first[n][0] != part for n in inner):
             return {}, f"the experts of {r.layer} are not inside one part of the trace"
         rows = [first[n][1] + i for n in inner if n in first for i in range(len(node_rows(n)))]
+        mms = [first[m][1] for m in r.mms if m in first]
         kept = {k.key: k.nbytes for n in inner for k in saved.of(n)}
         got = found.setdefault(part, {"n": r.n_experts, "params": 0, "rows": [], "dispatch": 0, "combine": 0,
-                                      "saved": 0, "layers": 0})
+                                      "saved": 0, "layers": 0, "mms": []})
         got["n"] = math.gcd(got["n"], r.n_experts)
         got["params"] += sum(program.params[f].numel for f in set(r.params))
         got["rows"] += rows
+        got["mms"] += mms
         got["dispatch"] += nbytes(r.entry.meta.get(meta.VAL)) or 0
         got["combine"] += nbytes(r.exit.meta.get(meta.VAL)) or 0
         got["saved"] += sum(kept.values())
         got["layers"] += 1
     return {part: Experts(g["n"], g["params"], tuple(sorted(g["rows"])), g["dispatch"], g["combine"], g["saved"],
-                          g["layers"]) for part, g in found.items()}, None
+                          g["layers"], tuple(sorted(g["mms"]))) for part, g in found.items()}, None
 
 
 class FusedLoss:

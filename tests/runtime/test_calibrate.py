@@ -66,7 +66,8 @@ def test_quick_calibration_writes_a_usable_profile(tmp_path, pool2):
     assert p.fresh_threshold == 0 or (p.fresh_bw > 0 and p.fresh_time(p.fresh_threshold) > 0)
     # fxpar's own costs on its runtime's code paths (fxpar.runtime.calibrate_runtime): every kind of its
     # collective ops, the DP engine's buckets and ZeRO-3's gathers, the optimizer's fixed costs (--quick: no pipeline)
-    assert set(p.collective_call) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert set(p.collective_call) == {"all_reduce", "all_gather", "reduce_scatter", "ep_counts", "ep_dispatch",
+                                      "ep_combine"}
     assert all(a >= 0 and b >= 0 for a, b in p.collective_call.values())
     # measured (a difference of two timings: 0 where it is below this host's noise, never negative)
     runtime = json.loads(out.read_text())["measurements"]["runtime"]
