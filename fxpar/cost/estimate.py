@@ -133,7 +133,7 @@ class Pricer:
         act = part.act.get(recompute) or part.act.get("none") or (0, 0)
         got = ((fwd) / share, (bwd + extra) / share, bwd / 2 / share, tf, tb, part.params,
                act[0] * b, (act[1] + part.grad_bytes) * b, part.out_bytes * b, part.kept_out * b,
-               *ep_comm(p, part, ep, b, ep_inter, recompute == "layer" and name not in ("pre", "post")))
+               *ep_comm(p, part, ep, b, ep_inter, recompute == "layer" and name not in ("pre", "post"), share=share))
         self._kinds[key] = got
         return got
 
