@@ -81,7 +81,7 @@ class RunOptions:
     """Compare every collective's shapes across the group before running it (debugging)."""
     compile_fallback: bool = _var("FXPAR_COMPILE_FALLBACK", True, _switch, _SWITCH, "fxpar.runtime.compile")
     """A stage Inductor cannot compile runs eagerly with a warning; off: the compile error is raised."""
-    trim_step: bool = _var("FXPAR_TRIM_STEP", False, _switch, _SWITCH, "fxpar.runtime.model")
+    trim_step: bool = _var("FXPAR_TRIM_STEP", False, _switch, _SWITCH, "fxpar.runtime.train_step")
     """Each training step gives the C heap's freed pages back (``malloc_trim``) once they pass 64 MiB: a
     lower resident size between steps, for the first touch of those pages again in the next step."""
     profile: str | None = _var("FXPAR_PROFILE", None, str, "a profile name or a `fxpar calibrate` JSON path",
