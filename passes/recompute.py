@@ -64,9 +64,7 @@ __all__ = ["Recomputed", "layer_units", "policy", "recompute", "saved_op", "unit
 _INDEX = re.compile(r"^\d+$")
 
 
-def saved_op(func) -> bool:
-    """Whether selective recompute keeps ``func``'s output (:func:`fxpar.ir.op_classes.kept_by_selective`)."""
-    return kept_by_selective(func)
+saved_op = kept_by_selective  # whether selective recompute keeps an op's output
 
 
 def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:

@@ -7,7 +7,7 @@ each storage once):
 * ``layer``: it keeps only its inputs (what it reads from outside itself); its saved tensors are
   recomputed in backward, one layer at a time;
 * ``selective``: its inputs and what its matrix products and attention make (every output, log-sum-exp
-  included, as the runtime's policy :func:`fxpar.ir.op_classes.kept_by_selective` keeps them); the cheap ops'
+  included: :func:`fxpar.ir.op_classes.selective_product`, which the runtime's policy keeps); the cheap ops'
   saved tensors are recomputed.
 
 Ops outside the decoder layers (embedding, final norm, head, loss) keep what they save under every policy.
@@ -30,7 +30,7 @@ import torch.fx
 
 from fxpar.cost.saved import SavedTensors
 from fxpar.ir import meta
-from fxpar.ir.op_classes import kept_by_selective
+from fxpar.ir.op_classes import selective_product
 from fxpar.ir.program import Program
 
 RECOMPUTE = ("none", "layer", "selective")
@@ -94,12 +94,13 @@ def saves(program: Program, nodes: Iterable[torch.fx.Node], group: Callable[[tor
                 got.shared["saved"][kept.key] = kept.nbytes
                 continue
             got.saved.setdefault(g, {})[kept.key] = kept.nbytes
-        if layer and kept_by_selective(node.target) and not str(node.target).startswith("fxpar."):
+        if layer and selective_product(node.target):
             # selective recompute keeps these ops' outputs whether or not a backward reads them (torch's
             # selective checkpoint caches every output its policy saves), attention's log-sum-exp with them.
-            # The TP collectives' outputs, which the policy keeps too, are left out: counted, a tiny Llama's
-            # tp=2 step came out above the same plan without recompute, which measured higher (2.03 MB against
-            # 1.85), and a Llama of hidden 256 at tp=2 at 174 MiB against 163 measured (without them: 142)
+            # The TP collectives' outputs, which the runtime's policy (kept_by_selective) keeps too, are left
+            # out: counting them puts a tiny Llama's tp=2 step above the same step without recompute, which
+            # the allocator measured the other way round (1.85 MB against 2.03), and a Llama of hidden 256
+            # at tp=2 at 174 MiB against 163 measured (142 without them)
             for kept in [*saved.value(node), *(k for k in saved.of(node) if k.producer is node)]:
                 got.matmul.setdefault(g, {})[kept.key] = kept.nbytes
         for a in node.all_input_nodes if layer else ():

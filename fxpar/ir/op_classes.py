@@ -178,18 +178,29 @@ def is_grouped_mm(node: torch.fx.Node) -> bool:
 _NOT_KEPT_COLLECTIVES = ("gather_params",)  # ZeRO-3 regathers its parameters instead of holding the bucket
 
 
-def kept_by_selective(func) -> bool:
-    """Whether selective recompute keeps the output of ``func`` (an OpOverload, as traced or as dispatched):
-    matrix products, attention kernels, and fxpar's TP collectives and collective matmuls (not ZeRO-3's
-    parameter gathers). The runtime's policy (``fxpar.passes.recompute``) and the activation model
-    (``fxpar.cost.activations``) both read it."""
+def _op_name(func) -> tuple[str, str]:
+    ns, _, op = (func.name() if hasattr(func, "name") else str(func)).partition("::")
+    return ns, op.split(".")[0]
+
+
+def selective_product(func) -> bool:
+    """Whether ``func`` (an OpOverload, as traced or as dispatched) is a matrix product, an attention kernel or
+    a collective matmul: the outputs selective recompute keeps for their cost to compute again."""
     pkt = getattr(func, "overloadpacket", None)
     if pkt in PRODUCT_KERNELS or pkt in MATMUL_LIKE:
         return True
-    name = func.name() if hasattr(func, "name") else str(func)
-    ns, _, op = name.partition("::")
+    ns, op = _op_name(func)
     if "scaled_dot_product" in op or op.startswith(("_flash_attention", "_efficient_attention")):
         return True
-    if ns == "fxpar_kernels":
-        return op.split(".")[0] in ("all_gather_linear", "linear_reduce_scatter")
-    return ns == "fxpar" and op.split(".")[0] not in _NOT_KEPT_COLLECTIVES
+    return ns == "fxpar_kernels" and op in ("all_gather_linear", "linear_reduce_scatter")
+
+
+def kept_by_selective(func) -> bool:
+    """Whether selective recompute keeps the output of ``func``: :func:`selective_product`, and fxpar's TP
+    collectives (not ZeRO-3's parameter gathers), kept so that recomputation communicates nothing. The runtime's
+    policy (``fxpar.passes.recompute``) reads it; the activation model (``fxpar.cost.activations``) counts the
+    products' outputs."""
+    if selective_product(func):
+        return True
+    ns, op = _op_name(func)
+    return ns == "fxpar" and op not in _NOT_KEPT_COLLECTIVES
