@@ -305,12 +305,12 @@ def _borrowed(self: Pricer, s: int, e: int, tp: int, sp: bool) -> int:
     embedding and head on the first and the last pipeline stage each hold a copy. The borrowing part ("post":
     the head is its last op) reads it where its last unit runs."""
     present = {i for i, _ in self.units[s:e]}
+    here = {self.names[i] for i in present}
     extra: dict[str, int] = {}
     for i in present:
         if s <= self.last_unit[i] < e:
-            for name, (owner, n) in self.costs.part(self.names[i], tp, sp).borrowed.items():
-                if owner not in {self.names[k] for k in present}:
-                    extra[name] = n
+            extra.update({name: n for name, (owner, n) in self.costs.part(self.names[i], tp, sp).borrowed.items()
+                          if owner not in here})
     return sum(extra.values())
 
 

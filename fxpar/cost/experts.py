@@ -91,8 +91,8 @@ def ep_comm(profile, part, ep: int, batch: int, inter: bool, again: bool,
     a2a += (call_time(profile, "ep_dispatch", ex.dispatch * batch / k)
             + call_time(profile, "ep_combine", ex.combine * batch / k)) / share
     counts += call_time(profile, "ep_counts", COUNT_BYTES * ex.n_experts) / share
-    share = (ep - 1) / ep
-    sent = 2 * share * (ex.dispatch + ex.combine) * batch + k * COUNT_BYTES * ex.n_experts * (ep - 1)
+    off_rank = (ep - 1) / ep  # the share of its rows a rank sends to the others
+    sent = 2 * off_rank * (ex.dispatch + ex.combine) * batch + k * COUNT_BYTES * ex.n_experts * (ep - 1)
     fwd = k * (a2a + counts)
     return fwd, k * a2a + (fwd if again else 0.0), ex.params // ep, sent
 
