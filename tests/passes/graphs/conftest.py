@@ -30,6 +30,7 @@ from fxpar.ir import meta
 from fxpar.ir.mesh import MeshSpec
 from fxpar.ir.stage import PipelineProgram
 from fxpar.passes.runner import PassContext, Runner
+from fxpar.report.graph import describe_val
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("FXPAR_UPDATE_GOLDEN") == "1"
@@ -127,7 +128,7 @@ def _arg(a) -> str:
     if isinstance(a, torch.fx.Node):
         return f"%{a.name}"
     if isinstance(a, torch.Tensor):
-        return f"tensor({_dtype(a)}{list(a.shape)})"
+        return f"tensor({describe_val(a)})"
     if isinstance(a, (list, tuple)):
         inner = ", ".join(map(_arg, a))
         return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
@@ -136,18 +137,6 @@ def _arg(a) -> str:
     if isinstance(a, float):
         return repr(a)
     return str(a)
-
-
-def _dtype(t) -> str:
-    return str(t.dtype).replace("torch.", "")
-
-
-def _val(v) -> str:
-    if isinstance(v, torch.Tensor):
-        return f"{_dtype(v)}{list(v.shape)}"
-    if isinstance(v, (list, tuple)):
-        return "(" + ", ".join(_val(x) for x in v) + ")"
-    return "" if v is None else type(v).__name__
 
 
 def _target(node: torch.fx.Node) -> str:
@@ -170,9 +159,9 @@ def graph_text(gm: torch.fx.GraphModule, indent: str = "") -> str:
             for part in n.target.split("."):
                 held = getattr(held, part, None)
             if isinstance(held, torch.Tensor):
-                line += f" : {_dtype(held)}{list(held.shape)} on {held.device.type}"
-        elif n.op != "output" and _val(n.meta.get(meta.VAL)):
-            line += f" -> {_val(n.meta[meta.VAL])}"
+                line += f" : {describe_val(held)} on {held.device.type}"
+        elif n.op != "output" and describe_val(n.meta.get(meta.VAL)):
+            line += f" -> {describe_val(n.meta[meta.VAL])}"
         if meta.PLACEMENT in n.meta:
             line += f"  @{n.meta[meta.PLACEMENT]}"
         lines.append(line)
