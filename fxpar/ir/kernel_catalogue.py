@@ -41,4 +41,5 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("dequantize_copy_out", "quant", "int8 dequantization of a gathered bucket (copy-out)"),
     Kernel("pack_shard", "buckets", "ZeRO-1/2 fp32 master shard of a parameter bucket (cast, padded, one launch)"),
     Kernel("copy_out", "buckets", "gathered bucket split back into the parameters (one launch)"),
+    Kernel("chunk_attention", "chunk_attention", "attention of a query chunk over a key chunk, with its log-sum-exp"),
 )}
