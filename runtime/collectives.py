@@ -1,8 +1,16 @@
-"""The real kernels of fxpar's collective ops (schemas, fake kernels, autograd: :mod:`fxpar.ir.ops`).
+"""The real kernels of fxpar's collective ops (schemas, fake kernels, autograd: :mod:`fxpar.ir.ops`, from
+the records of :mod:`fxpar.ir.collectives`).
 
-Reads: tensors and group names at run time, resolved to process groups by :mod:`fxpar.runtime.groups`.
-Writes: the kernel of every ``torch.ops.fxpar.*`` op for real tensors (importing this module registers
-them, for every device: the dispatcher's ``CompositeExplicitAutograd`` key, as ``custom_op`` does).
+Reads: the records, at import; tensors and group names at run time, resolved to process groups by
+:mod:`fxpar.runtime.groups`. Writes: the kernel of every record's ``torch.ops.fxpar.*`` op for real tensors
+(importing this module registers them by :func:`register_kernel`, looped over the records, for every
+device: the dispatcher's ``CompositeExplicitAutograd`` key, as ``custom_op`` does), and the byte counters
+active now (:class:`Counting`) for records with a ``counter`` (expert parallelism's).
+
+* One implementation per communication pattern (:data:`PATTERN_KERNELS`, keyed by
+  :data:`fxpar.ir.collectives.PATTERNS`): a record's ``kernel`` picks it, and its fields steer it (the
+  reduction's, the dtype's and the wire format's argument positions, the ``route`` of an all-to-all, the
+  observer, the counter). A new record that runs an existing pattern needs nothing here.
 
 * Kernels call the plain torch.distributed collectives (gloo on CPU, NCCL on GPU) and wait with the
   process group's own timeout (``timeout=`` of ``init_process_group`` / ``new_group``): nothing waits
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable
 
 import torch
@@ -32,13 +41,15 @@ import torch.distributed as dist
 
 from fxpar.ir import ops as ir_ops
 from fxpar.ir import wire
+from fxpar.ir.collectives import COLLECTIVES
 from fxpar.ir.errors import CollectiveError, FxparError
 from fxpar.ir.ops import check_dim, check_reduce_op, shard_len
 from fxpar.ir.options import run_options
 from fxpar.runtime import dist_calls
 from fxpar.runtime.groups import resolve_group
 
-__all__ = ["all_gather_single", "observing_param_gathers", "set_shape_checks"]
+__all__ = ["PATTERN_KERNELS", "Call", "Counting", "all_gather_single", "observing_param_gathers",
+           "register_kernel", "set_shape_checks"]
 
 _SHAPE_CHECKS: bool | None = None  # set_shape_checks's choice; None: FXPAR_CHECK_COLLECTIVES (run options)
 
@@ -117,27 +128,71 @@ def _copy(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The kernels
+# One implementation per communication pattern (fxpar.ir.collectives.PATTERNS), run for every record
+# whose ``kernel`` names it
 
 
-def _all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
-    check_reduce_op("all_reduce", group, op, x)
-    pg, n, _ = _membership("all_reduce", group)
+class Call:
+    """One call of a record's op: ``rec``, ``values`` (every argument in schema order, defaults filled in),
+    ``args`` (the arguments after the tensor, by name)."""
+
+    __slots__ = ("rec", "values", "args")
+
+    def __init__(self, rec, values: tuple, args: dict):
+        self.rec, self.values, self.args = rec, values, args
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self.values[0]
+
+    @property
+    def group(self) -> str:
+        return self.args["group"]
+
+    def at(self, position: int | None):
+        """The argument at ``position`` (a record's ``cast_arg``, ...); None where the record has none."""
+        return None if position is None else self.values[position]
+
+
+class Counting:
+    """The counters the kernels of records with a ``counter`` add the bytes they send off-rank to now
+    (``active.comm``: key -> bytes): a per-process slot, because torch's custom-op machinery calls the
+    kernels with the op's arguments only (tensors, names), so no counter object can be passed to them. The
+    expert-parallel record makes its own counters the active ones for its step
+    (:meth:`fxpar.runtime.expert_parallel.ExpertParallelRecord.start` / ``finish``); a kernel run outside a
+    step counts into nothing. A plain attribute, not a ContextVar: autograd runs a CUDA backward on a thread
+    of its own."""
+
+    active = None
+
+
+def _count(c: Call, sent: int) -> None:
+    counters = Counting.active
+    if c.rec.counter is None or counters is None:
+        return
+    key = c.rec.counter + ("_bwd" if c.args.get("backward") else "")
+    counters.comm[key] = counters.comm.get(key, 0) + sent
+
+
+def _all_reduce(c: Call) -> torch.Tensor:
+    name, x, group, op = c.rec.name, c.x, c.group, c.at(c.rec.reduce_arg)
+    check_reduce_op(name, group, op, x)
+    pg, n, _ = _membership(name, group)
     out = _copy(x)
     if n == 1 or x.numel() == 0:
         return out
-    _cross_check("all_reduce", group, pg, x)
+    _cross_check(name, group, pg, x)
     # "avg" is a sum then a division on every backend: one code path, and older gloo rejects ReduceOp.AVG.
     red = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
            "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    _communicate("all_reduce", group, x, lambda: dist.all_reduce(out, op=red, group=pg, async_op=True))
+    _communicate(name, group, x, lambda: dist.all_reduce(out, op=red, group=pg, async_op=True))
     if op == "avg":
         out.div_(n)
     return out
 
 
-def _identity_fwd_all_reduce_bwd(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _copy(x)
+def _identity(c: Call) -> torch.Tensor:
+    return _copy(c.x)
 
 
 def _gather_impl(op: str, x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
@@ -154,14 +209,6 @@ def _gather_impl(op: str, x: torch.Tensor, group: str, dim: int) -> torch.Tensor
     return buf.movedim(0, d).contiguous()
 
 
-def _all_gather(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
-    return _gather_impl("all_gather", x, group, dim)
-
-
-def _all_gather_rs_bwd(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
-    return _gather_impl("all_gather_rs_bwd", x, group, dim)
-
-
 # the observer of the current context while a ZeRO-3 forward runs (fxpar.runtime.zero3.Zero3Regather):
 # told of every gathered parameter bucket, so that autograd saves a handle instead of the bucket
 _param_gather_observer: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
@@ -171,7 +218,7 @@ _param_gather_observer: contextvars.ContextVar[Callable | None] = contextvars.Co
 @contextlib.contextmanager
 def observing_param_gathers(observer: Callable):
     """Within the block (this context only), ``observer(out, shard, group, dim, dtype, comm_dtype)``
-    hears of every bucket ``gather_params`` gathers."""
+    hears of every bucket ``gather_params`` (a record with ``observed``) gathers."""
     token = _param_gather_observer.set(observer)
     try:
         yield
@@ -206,69 +253,73 @@ def _check_float(op: str, group: str, x: torch.Tensor, comm_dtype: str) -> None:
                               op=op, group=group, sizes=[tuple(x.shape)])
 
 
-def _gather_params_int8(x: torch.Tensor, group: str, dim: int, dtype: torch.dtype, comm_dtype: str):
+def _gather_params_int8(x: torch.Tensor, group: str, dim: int, dtype: torch.dtype, comm_dtype: str,
+                        op: str = "gather_params"):
     """ZeRO++ qwZ: this rank's shard as int8 codes + fp32 block scales in one all-gather, every rank's
     part dequantized to ``dtype`` after it. Blocks never straddle two ranks' shards, so no rank needs
     another's statistics."""
-    d = check_dim("gather_params", group, x, dim)
-    _check_float("gather_params", group, x, comm_dtype)
-    pg, n, _ = _membership("gather_params", group)
+    d = check_dim(op, group, x, dim)
+    _check_float(op, group, x, comm_dtype)
+    pg, n, _ = _membership(op, group)
     front = x.movedim(d, 0).contiguous()
     if n == 1 or not x.numel():
         return _copy(front.to(dtype)).movedim(0, d).contiguous()
     packed = _int8_pack(front.view(-1), 1, 0)
-    _cross_check("gather_params", group, pg, packed)
+    _cross_check(op, group, pg, packed)
     buf = packed.new_empty(n * packed.numel())
-    _communicate("gather_params", group, packed,
-                 lambda: _all_gather_single(buf, packed, group=pg, async_op=True))
+    _communicate(op, group, packed, lambda: _all_gather_single(buf, packed, group=pg, async_op=True))
     full = _int8_unpack(buf, n, front.numel(), dtype)
     return full.view(n * front.shape[0], *front.shape[1:]).movedim(0, d).contiguous()
 
 
-def _gather_params(x: torch.Tensor, group: str, dim: int, dtype: torch.dtype | None = None,
-                   comm_dtype: str | None = None) -> torch.Tensor:
-    wire.check_comm_dtype("gather_params", group, comm_dtype, wire.GATHER_COMM_DTYPES)
+def _all_gather(c: Call) -> torch.Tensor:
+    """Along ``dim``, cast first (the record's ``cast_arg``), in the wire format (``comm_dtype_arg``)."""
+    rec, x, group, dim = c.rec, c.x, c.group, c.args["dim"]
+    dtype, comm_dtype = c.at(rec.cast_arg), c.at(rec.comm_dtype_arg)
+    wire.check_comm_dtype(rec.name, group, comm_dtype, rec.comm_dtypes)
     if comm_dtype is None:
-        out = _gather_impl("gather_params", x if dtype is None else x.to(dtype), group, dim)
+        out = _gather_impl(rec.name, x if dtype is None else x.to(dtype), group, dim)
     else:
-        out = _gather_params_int8(x, group, dim, dtype or x.dtype, comm_dtype)
-    observer = _param_gather_observer.get()
+        out = _gather_params_int8(x, group, dim, dtype or x.dtype, comm_dtype, rec.name)
+    observer = _param_gather_observer.get() if rec.observed else None
     if observer is not None:
         observer(out, x, group, dim, dtype, comm_dtype)
     return out
 
 
-def _reduce_scatter_int8(x: torch.Tensor, group: str, d: int, k: int, pg, n: int, rank: int) -> torch.Tensor:
+def _reduce_scatter_int8(x: torch.Tensor, group: str, d: int, k: int, pg, n: int, rank: int,
+                         op: str = "reduce_scatter") -> torch.Tensor:
     """ZeRO++ qgZ: slice ``r`` of this rank's ``x`` goes to rank ``r`` block-quantized (int8 codes + fp32
     scales, one all-to-all), and each rank sums the ``n`` slices it holds in fp32. Its own slice never
     leaves the rank, so it is summed exact (what it sends itself is ignored); the error bound is in
     :mod:`fxpar.runtime.kernels.quant`. Gloo runs the all-to-all as pairwise sends: ``(n-1)/n`` of the
     quantized buffer leaves each rank, as in a ring reduce-scatter."""
-    _check_float("reduce_scatter", group, x, "int8")
+    _check_float(op, group, x, "int8")
     front = x.movedim(d, 0).contiguous()
     flat = front.view(-1)
     m = flat.numel() // n
     send = torch.cat([_int8_pack(flat, n, r) for r in range(n)])
-    _cross_check("reduce_scatter", group, pg, send)
+    _cross_check(op, group, pg, send)
     recv = torch.empty_like(send)
-    _communicate("reduce_scatter", group, x,
-                 lambda: dist.all_to_all_single(recv, send, group=pg, async_op=True))
+    _communicate(op, group, x, lambda: dist.all_to_all_single(recv, send, group=pg, async_op=True))
     parts = _int8_unpack(recv, n, m, torch.float32).view(n, m)
     parts[rank] = flat[rank * m:(rank + 1) * m]  # this rank's own slice, unquantized
     out = parts.sum(0, dtype=torch.float32).to(x.dtype)
     return out.view(k, *front.shape[1:]).movedim(0, d).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, group: str, dim: int, comm_dtype: str | None = None) -> torch.Tensor:
-    wire.check_comm_dtype("reduce_scatter", group, comm_dtype, wire.REDUCE_SCATTER_COMM_DTYPES)
-    d = check_dim("reduce_scatter", group, x, dim)
-    pg, n, rank = _membership("reduce_scatter", group)
-    k = shard_len("reduce_scatter", group, x, d, n)
+def _reduce_scatter(c: Call) -> torch.Tensor:
+    """Sum over the group, keep this rank's slice along ``dim``, in the wire format (``comm_dtype_arg``)."""
+    op, x, group, comm_dtype = c.rec.name, c.x, c.group, c.at(c.rec.comm_dtype_arg)
+    wire.check_comm_dtype(op, group, comm_dtype, c.rec.comm_dtypes)
+    d = check_dim(op, group, x, c.args["dim"])
+    pg, n, rank = _membership(op, group)
+    k = shard_len(op, group, x, d, n)
     if n == 1:
         return _copy(x)
-    if comm_dtype == "int8" and x.numel():
-        return _reduce_scatter_int8(x, group, d, k, pg, n, rank)
-    _cross_check("reduce_scatter", group, pg, x)
+    if comm_dtype is not None and x.numel():
+        return _reduce_scatter_int8(x, group, d, k, pg, n, rank, op)
+    _cross_check(op, group, pg, x)
     if _backend_of(pg, x.device) == "gloo":
         # Gloo has no reduce-scatter algorithm of its own: where a torch release offers a single-tensor
         # reduce-scatter on gloo at all, it is an all-reduce followed by taking this rank's chunk (twice
@@ -277,31 +328,61 @@ def _reduce_scatter(x: torch.Tensor, group: str, dim: int, comm_dtype: str | Non
         # the 2x visible where it happens. Gloo is our CPU test backend, so the traffic does not matter.
         full = _copy(x)
         if x.numel():
-            _communicate("reduce_scatter", group, x,
-                         lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg, async_op=True))
+            _communicate(op, group, x, lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg, async_op=True))
         return _copy(full.narrow(d, rank * k, k))  # a copy: a view (dim 0) would keep the whole sum alive
     # Native path (NCCL, ...): the single-tensor reduce-scatter splits along dim 0.
     front = x.movedim(d, 0).contiguous()
     out = front.new_empty((k, *front.shape[1:]))
     if x.numel():
-        _communicate("reduce_scatter", group, x,
+        _communicate(op, group, x,
                      lambda: _reduce_scatter_single(out, front, op=dist.ReduceOp.SUM, group=pg, async_op=True))
     return out.movedim(0, d).contiguous()
 
 
-def _scatter_slice(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
-    d = check_dim("scatter_slice", group, x, dim)
-    _, n, rank = _membership("scatter_slice", group)
-    k = shard_len("scatter_slice", group, x, d, n)
+def _slice(c: Call) -> torch.Tensor:
+    op, x, group = c.rec.name, c.x, c.group
+    d = check_dim(op, group, x, c.args["dim"])
+    _, n, rank = _membership(op, group)
+    k = shard_len(op, group, x, d, n)
     return _copy(x.narrow(d, rank * k, k))
 
 
-# device_types=None: one kernel for every device (it replaces the op's placeholder body in fxpar.ir.ops)
-for _op, _kernel in ((ir_ops.all_reduce, _all_reduce),
-                     (ir_ops.identity_fwd_all_reduce_bwd, _identity_fwd_all_reduce_bwd),
-                     (ir_ops.all_gather, _all_gather),
-                     (ir_ops.all_gather_rs_bwd, _all_gather_rs_bwd),
-                     (ir_ops.gather_params, _gather_params),
-                     (ir_ops.reduce_scatter, _reduce_scatter),
-                     (ir_ops.scatter_slice, _scatter_slice)):
-    _op.register_kernel(None, _kernel)
+def _all_to_all(c: Call) -> torch.Tensor:
+    """Rows along dim 0 with variable split sizes, as the record's ``route`` lays them out (what to send,
+    how many rows to and from each rank, the output made of the received rows); the rows a rank sends to
+    itself never leave it, and only the others count. No cross-rank shape check: the ranks' row counts
+    differ by design."""
+    rec, x, group = c.rec, c.x, c.group
+    pg, n, me = _membership(rec.name, group)
+    if rec.check is not None:
+        rec.check(rec.name, group, x, c.args, n)
+    rows, send, recv, finish = rec.route(x, c.args, n, me)
+    got = rows.new_empty((sum(recv), *rows.shape[1:]))
+    if n == 1:
+        got.copy_(rows[:got.shape[0]])
+    else:
+        _communicate(rec.name, group, rows, lambda: dist.all_to_all_single(got, rows.contiguous(), recv, send,
+                                                                          group=pg, async_op=True))
+    _count(c, (sum(send) - send[me]) * math.prod(rows.shape[1:]) * rows.element_size())
+    return finish(got)
+
+
+PATTERN_KERNELS: dict[str, Callable[[Call], torch.Tensor]] = {
+    "all_reduce": _all_reduce, "identity": _identity, "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter, "slice": _slice, "all_to_all": _all_to_all}
+
+
+def register_kernel(rec) -> None:
+    """Register the real kernel of ``rec``'s op (:func:`fxpar.ir.ops.define` made it): its pattern's
+    implementation, for every device (``device_types=None``: it replaces the op's placeholder body)."""
+    impl, sig = PATTERN_KERNELS[rec.kernel], ir_ops.SIGNATURES[rec.name]
+
+    def kernel(*args, **kwargs):
+        values = sig.bind(args, kwargs)
+        return impl(Call(rec, values, sig.named(values)))
+
+    ir_ops.OPS[rec.name].register_kernel(None, kernel)
+
+
+for _rec in COLLECTIVES.values():
+    register_kernel(_rec)

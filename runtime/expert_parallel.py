@@ -1,9 +1,12 @@
 """The real kernels of the expert-parallel ops (schemas, fakes, autograd: :mod:`fxpar.ir.expert_ops`), their
 byte counts and the MoE load statistics of the last step.
 
-Reads: tensors, group names (resolved by :mod:`fxpar.runtime.groups`) at run time. Writes: the kernels of
-``fxpar::ep_counts`` / ``ep_dispatch`` / ``ep_combine`` (importing this module registers them) and the
-counters of the step running now (:class:`EpCounters`, made active by ``CompiledModel.ep`` around each step).
+Reads: tensors, group names (resolved by :mod:`fxpar.runtime.groups`) at run time. Writes: the kernel of
+``fxpar::ep_counts`` (importing this module registers it) and the counters of the step running now
+(:class:`EpCounters`, made the active :class:`fxpar.runtime.collectives.Counting` by ``CompiledModel.ep``
+around each step). ``ep_dispatch`` / ``ep_combine`` are records of :mod:`fxpar.ir.collectives`: the runtime's
+one ``all_to_all`` pattern runs them (:mod:`fxpar.runtime.collectives`), as :mod:`fxpar.ir.ep_layout` lays
+their rows out, and counts their bytes into the same counters.
 
 * ``ep_counts``: one all-gather of the ``E`` per-expert counts over the ep group (``E * ep`` int64).
 * ``ep_dispatch``: split sizes from the counts, one ``all_to_all_single`` of the rows (a rank's rows for
@@ -24,9 +27,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
 from fxpar.ir import expert_ops
+from fxpar.runtime.collectives import Counting as _Counting
 from fxpar.runtime.collectives import _communicate, _membership, all_gather_single
 
 
@@ -48,16 +51,6 @@ class EpCounters:
         rank's ep group, every microbatch), ``tokens_per_rank`` (what each ep rank's experts received),
         ``imbalance`` (max / mean of ``tokens_per_rank``; 1.0 is perfect balance)."""
         return {"comm": dict(self.comm), "load": load_stats(self.load)}
-
-
-class _Counting:
-    """The counters the kernels add to now: a per-process slot, because torch's custom-op machinery calls
-    the kernels with the op's arguments only (tensors, the group's and the layer's names), so no counter
-    object can be passed to them. A record makes its own counters the active ones for its step
-    (:meth:`ExpertParallelRecord.start` / ``finish``); a kernel run outside a step counts into nothing. A
-    plain attribute, not a ContextVar: autograd runs a CUDA backward on a thread of its own."""
-
-    active: EpCounters | None = None
 
 
 def _counters() -> EpCounters:
@@ -119,27 +112,6 @@ class ExpertParallelRecord:
         return f"ExpertParallelRecord(layers={self.info.layers if self.info else []}, comm={self.comm})"
 
 
-def _layout(counts: torch.Tensor, me: int) -> tuple[list[int], list[int], torch.Tensor]:
-    """(rows this rank sends to each ep rank, rows it receives from each, the permutation from the received
-    source-major order to local-expert-major)."""
-    n, e = counts.shape
-    k = e // n
-    counts = counts.cpu()
-    send = counts[me].view(n, k).sum(1).tolist()
-    mine = counts[:, me * k:(me + 1) * k]  # [source, local expert]
-    recv = mine.sum(1).tolist()
-    start = (torch.cumsum(mine.reshape(-1), 0) - mine.reshape(-1)).view(n, k)  # each piece's source-major start
-    cnt, src = mine.t().reshape(-1), start.t().reshape(-1)  # the pieces in local-expert-major order
-    dst = torch.cumsum(cnt, 0) - cnt  # where each piece starts in that order
-    perm = torch.arange(int(cnt.sum())) + torch.repeat_interleave(src - dst, cnt)
-    return send, recv, perm
-
-
-def _all_to_all(op: str, group: str, pg, out: torch.Tensor, x: torch.Tensor, out_splits, in_splits) -> None:
-    _communicate(op, group, x, lambda: dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits,
-                                                             group=pg, async_op=True))
-
-
 def _ep_counts(offs: torch.Tensor, group: str, layer: str) -> torch.Tensor:
     pg, n, _ = _membership("ep_counts", group)
     counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
@@ -154,35 +126,4 @@ def _ep_counts(offs: torch.Tensor, group: str, layer: str) -> torch.Tensor:
     return out
 
 
-def _ep_dispatch(x: torch.Tensor, counts: torch.Tensor, group: str, layer: str, backward: bool = False):
-    pg, n, me = _membership("ep_dispatch", group)
-    send, recv, perm = _layout(counts, me)
-    got = x.new_empty((sum(recv), x.shape[1]))
-    if n == 1:
-        got.copy_(x[:sum(recv)])
-    else:
-        _all_to_all("ep_dispatch", group, pg, got, x, recv, send)
-    sent = (sum(send) - send[me]) * x.shape[1] * x.element_size()
-    _counters().comm["dispatch_bwd" if backward else "dispatch"] += sent
-    out = x.new_zeros((n * x.shape[0], x.shape[1]))
-    out[:perm.numel()] = got[perm.to(x.device)]
-    return out
-
-
-def _ep_combine(y: torch.Tensor, counts: torch.Tensor, group: str, layer: str, backward: bool = False):
-    pg, n, me = _membership("ep_combine", group)
-    send, recv, perm = _layout(counts, me)
-    rows = y.new_empty((perm.numel(), y.shape[1]))
-    rows[perm.to(y.device)] = y[:perm.numel()]  # back to source-major order
-    out = y.new_empty((y.shape[0] // n, y.shape[1]))
-    if n == 1:
-        out.copy_(rows)
-    else:
-        _all_to_all("ep_combine", group, pg, out, rows, send, recv)
-    _counters().comm["combine_bwd" if backward else "combine"] += (sum(recv) - recv[me]) * y.shape[1] * y.element_size()
-    return out
-
-
-for _op, _kernel in ((expert_ops.ep_counts, _ep_counts), (expert_ops.ep_dispatch, _ep_dispatch),
-                     (expert_ops.ep_combine, _ep_combine)):
-    _op.register_kernel(None, _kernel)
+expert_ops.ep_counts.register_kernel(None, _ep_counts)

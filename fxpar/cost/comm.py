@@ -16,11 +16,12 @@ report and a planner can price a plan for any world on one process.
   training step's communication per rank: the graph's collectives (TP, ZeRO-3) times the microbatches,
   the data-parallel engine's gradient reduction and parameter gathering, the pipeline's sends.
 
-Bytes are wire bytes: a node's ``comm_dtype`` argument (ZeRO++ int8, :mod:`fxpar.ir.wire`) counts int8
-codes plus one fp32 scale per block of every rank's slice (:func:`~fxpar.ir.wire.int8_wire_bytes`).
-A ZeRO-3 ``gather_params`` counts its gather in the gathered dtype; its backward the regather (the
-same) and the reduce-scatter of the gradient in the shard's dtype (fp32 master weights: fp32), or int8
-with ``"int8+grads"``. Every bucket's regather is counted, an upper bound: the runtime skips those
+Bytes are wire bytes: a node's wire format argument (its record's ``comm_dtype_arg``; ZeRO++ int8) counts
+what :data:`fxpar.ir.wire.FORMATS` says the format costs (int8 codes plus one fp32 scale per block of every
+rank's slice). An op that casts before it communicates (its record's ``cast_arg``: ZeRO-3's
+``gather_params``) counts its gather in the gathered dtype; its backward the regather (the same) and the
+reduce-scatter of the gradient in the shard's dtype (fp32 master weights: fp32), or in the format's
+gradient format (``"int8+grads"``: int8). Every bucket's regather is counted, an upper bound: the runtime skips those
 backward never asks for (an embedding's backward does not read its weight) and may keep the last
 bucket from forward to backward (:mod:`fxpar.runtime.zero3`).
 """
@@ -36,7 +37,7 @@ from fxpar.ir.collectives import COMMS as COMM_RECORDS
 from fxpar.ir.errors import FxparError
 from fxpar.ir.numeric import nbytes
 from fxpar.ir.ops import COLLECTIVE_OPS, collective_nodes, group_size
-from fxpar.ir.wire import int8_wire_bytes
+from fxpar.ir.wire import wire_format
 
 __all__ = ["COMMS", "KINDS", "RING", "collective_bytes", "collective_events", "collective_ring_bytes",
            "data_parallel_collectives", "payloads", "pipeline_transfers", "ring", "ring_bytes", "sent_bytes",
@@ -57,7 +58,8 @@ def ring(kind: str, n: int) -> tuple[int, float]:
 # op -> (communication its forward does, communication its backward does, "+"-joined); None: no
 # communication. From each op's record (fxpar.ir.collectives.COLLECTIVES).
 COMMS: dict[str, tuple[str | None, str | None]] = {
-    name: ("+".join(c.forward) or None, "+".join(c.backward) or None) for name, c in COLLECTIVES.items()}
+    name: ("+".join(c.forward) or None, "+".join(c.backward) or None) for name, c in COLLECTIVES.items()
+    if c.counted}
 
 
 def _node_arg(node: torch.fx.Node, index: int, name: str):
@@ -94,7 +96,7 @@ def _val(node) -> torch.Tensor | None:
 def _full_numel(kind: str, node: torch.fx.Node, n: int) -> int:
     """Entries of the full tensor a gather produces or a reduce-scatter consumes."""
     src, out = _val(node.args[0] if node.args else None), _val(node)
-    if kind == "gather_params":
+    if collective(kind).shape == "gather":
         return src.numel() * n if src is not None else out.numel()
     return src.numel() if src is not None else out.numel() * n
 
@@ -102,25 +104,25 @@ def _full_numel(kind: str, node: torch.fx.Node, n: int) -> int:
 def payloads(kind: str, node: torch.fx.Node, *, backward: bool = False) -> list[tuple[str, int]]:
     """(communication, payload bytes on the wire) for each collective the node's forward (or backward)
     runs, in :data:`COMMS` order; empty if it communicates nothing."""
-    comm = COMMS[kind][1 if backward else 0]
-    if comm is None:
+    rec = collective(kind)
+    comms = rec.backward if backward else rec.forward
+    if not comms:
         return []
-    comms = comm.split("+")
     n = group_size(_node_arg(node, 1, "group"))
-    if kind == "reduce_scatter" and _node_arg(node, 3, "comm_dtype") == "int8":
-        return [(c, int8_wire_bytes(_full_numel(kind, node, n), n)) for c in comms]
-    if kind != "gather_params":
-        return [(c, _full_bytes(kind, node)) for c in comms]
-    comm_dtype = _node_arg(node, 4, "comm_dtype")
-    gathered = int8_wire_bytes(_full_numel(kind, node, n), n) if comm_dtype else _full_bytes(kind, node)
-    if not backward:
-        return [(comms[0], gathered)]
+    at = rec.comm_dtype_arg
+    fmt = None if at is None else wire_format(_node_arg(node, at, "comm_dtype"))
+    sent = fmt.wire_bytes(_full_numel(kind, node, n), n) if fmt is not None else _full_bytes(kind, node)
+    if rec.cast_arg is None or not backward:
+        return [(c, sent) for c in comms]
+    # a cast op's backward: the regather as its forward, then the gradient's reduction in the input's
+    # dtype, or in the format's gradient format
     shard = _val(node.args[0])
-    if comm_dtype == "int8+grads":
-        grads = int8_wire_bytes(_full_numel(kind, node, n), n)
-    else:  # the gradient is reduce-scattered in the shard's own dtype
+    grad_fmt = None if fmt is None or fmt.grads is None else wire_format(fmt.grads)
+    if grad_fmt is not None:
+        grads = grad_fmt.wire_bytes(_full_numel(kind, node, n), n)
+    else:
         grads = shard.numel() * n * shard.element_size() if shard is not None else _full_bytes(kind, node)
-    return [(comms[0], gathered), (comms[1], grads)]
+    return [(c, sent if c in rec.forward else grads) for c in comms]
 
 
 def collective_events(gm: torch.fx.GraphModule) -> list[dict]:

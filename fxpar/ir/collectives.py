@@ -1,16 +1,25 @@
 """The one record of every collective: what each communication pattern costs on a ring, and what each
-``torch.ops.fxpar`` collective op communicates, how its fake kernel shapes its output and what the
-lowering turns it into.
+``torch.ops.fxpar`` collective op takes, communicates, how its fake kernel shapes its output, what its
+gradient is, which of the runtime's communication patterns runs it and what the lowering turns it into.
 
 Reads: nothing. Writes nothing (two tables, built at import).
 
-Who reads it: :mod:`fxpar.ir.ops` (the op names, the fake kernels' shape rule, the fused kernels counted as
-a collective), :mod:`fxpar.cost.comm` (``RING``, ``KINDS``, ``COMMS``: bytes and ring shares),
-:mod:`fxpar.passes.lower_collectives` (the functional collective each op lowers to, where its wire format
-argument is), and the report through :mod:`fxpar.cost.comm` and :data:`fxpar.ir.ops.COLLECTIVE_OPS`. A new
-collective is one :class:`Collective` entry here plus its schema and autograd formula in
-:mod:`fxpar.ir.ops` and its eager kernel in :mod:`fxpar.runtime.collectives`; a new communication pattern
-is one :class:`Comm` entry.
+Who reads it: :mod:`fxpar.ir.ops` (defines every op from its record: the ``torch.library`` schema, the fake
+kernel, the autograd formula; the op list, the fused kernels counted as a collective),
+:mod:`fxpar.runtime.collectives` (registers each op's eager kernel: the implementation of its record's
+``kernel`` pattern, written once per pattern), :mod:`fxpar.cost.comm` (``RING``, ``KINDS``, ``COMMS``: bytes
+and ring shares), :mod:`fxpar.passes.lower_collectives` (the functional collective each op lowers to, where
+its wire format argument is), and the report through :mod:`fxpar.cost.comm` and
+:data:`fxpar.ir.ops.COLLECTIVE_OPS`.
+
+A new collective that communicates like an existing one is one :class:`Collective` entry of
+:data:`COLLECTIVES` (plus its test): nothing else names it. A new communication pattern is one :class:`Comm`
+entry (its ring cost) and, when ops run it, one name in :data:`PATTERNS` with its implementation in
+:mod:`fxpar.runtime.collectives` (``tests/runtime/test_collectives.py`` checks that every pattern has one).
+What a record's fields cannot say is a hook on the record, a plain function here or in
+:mod:`fxpar.ir.ep_layout`: ``all_reduce``'s gradient depends on its reduction, ``gather_params``' gradient
+goes in its input's dtype and its wire format's gradient format, the expert-parallel all-to-alls take
+their split sizes from a counts tensor.
 """
 
 from __future__ import annotations
@@ -18,7 +27,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["COLLECTIVES", "COMMS", "Collective", "Comm", "collective", "fused_collectives"]
+import torch
+
+from fxpar.ir import ep_layout
+from fxpar.ir.errors import CollectiveError
+from fxpar.ir.wire import GATHER_COMM_DTYPES, REDUCE_SCATTER_COMM_DTYPES, wire_format
+
+__all__ = ["COLLECTIVES", "COMMS", "PATTERNS", "Collective", "Comm", "collective", "fused_collectives"]
 
 
 @dataclass(frozen=True)
@@ -43,19 +58,41 @@ COMMS: dict[str, Comm] = {c.name: c for c in (
     Comm("send", lambda n: (1, 1, 1)),
 )}
 
+# The eager kernels the runtime implements, once each (fxpar.runtime.collectives): a record's ``kernel``.
+# "identity" and "slice" communicate nothing; "all_to_all" moves rows with variable split sizes, which the
+# record's ``route`` hook gives.
+PATTERNS = ("all_reduce", "identity", "all_gather", "reduce_scatter", "slice", "all_to_all")
+
 
 @dataclass(frozen=True)
 class Collective:
     """One ``torch.ops.fxpar`` collective op.
 
     ``forward`` / ``backward``: the :data:`COMMS` patterns its forward and its backward run, in order (empty:
-    none). ``shape``: its fake kernel's rule along ``dim``: ``"same"`` (the input's shape), ``"gather"`` (the
-    dim grows group-size times) or ``"scatter"`` (it shrinks group-size times). ``lowering``: what
-    :mod:`fxpar.passes.lower_collectives` turns it into: a ``torch.ops._c10d_functional`` op
-    (``"all_reduce"``, ``"all_gather_into_tensor"``, ``"reduce_scatter_tensor"``), or ``"slice"`` / ``"identity"``
-    (local, no communication). ``cast_arg``: the position of a dtype argument cast to before communicating;
-    ``comm_dtype_arg``: of the wire format argument (:mod:`fxpar.ir.wire`; a quantized node is not lowered).
-    ``fused``: the ``fxpar_kernels`` ops (:mod:`fxpar.ir.kernel_catalogue`) that run this op inside and count as it.
+    none). ``shape``: its fake kernel's rule along ``dim`` (the ``dim`` argument, else dim 0): ``"same"``
+    (the input's shape), ``"gather"`` (the dim grows group-size times) or ``"scatter"`` (it shrinks
+    group-size times). ``lowering``: what :mod:`fxpar.passes.lower_collectives` turns it into: a
+    ``torch.ops._c10d_functional`` op (``"all_reduce"``, ``"all_gather_into_tensor"``,
+    ``"reduce_scatter_tensor"``), ``"slice"`` / ``"identity"`` (local, no communication), or ``"opaque"``
+    (kept: it runs its own kernel).
+
+    ``schema``: its arguments in ``torch.library`` syntax, the tensor first and the group's name second.
+    ``kernel``: the :data:`PATTERNS` entry the runtime runs it with. ``grad``: the op its backward calls on
+    the gradient, with the forward's arguments of the same names (positionally, up to the first it lacks)
+    and ``grad_args`` set; ``grad_hook(grad, x_dtype, args, group_size)`` instead, where a rule needs more
+    (``args``: the forward's arguments after the tensor, by name; ``group_size``:
+    :func:`fxpar.ir.ops.group_size`, which this module cannot import); neither: no gradient. ``cast_arg``: the position of a
+    dtype argument cast to before communicating (the gradient comes back in the input's dtype);
+    ``comm_dtype_arg``: of the wire format argument (:mod:`fxpar.ir.wire`; a quantized node is not
+    lowered), ``comm_dtypes`` the formats it takes; ``reduce_arg``: of the reduction's name ("sum", ...).
+    ``check(op, group, x, args, n)``: a local check of the arguments (fake and real kernels);
+    ``route(x, args, n, rank)``: the ``"all_to_all"`` pattern's rows, split sizes and output
+    (:mod:`fxpar.ir.ep_layout`). ``counter``: the key under which the runtime counts the bytes each call
+    sends off-rank (``_bwd`` appended when its ``backward`` argument is true) into the active counters;
+    ``observed``: the runtime tells the current observer of each output (ZeRO-3's regathering).
+    ``counted``: in :data:`fxpar.ir.ops.COLLECTIVE_OPS`, the graph counts and byte tables (the
+    expert-parallel ops are counted by their own counters instead). ``fused``: the ``fxpar_kernels`` ops
+    (:mod:`fxpar.ir.kernel_catalogue`) that run this op inside and count as it. ``doc``: the op's docstring.
     """
 
     name: str
@@ -63,33 +100,109 @@ class Collective:
     backward: tuple[str, ...]
     shape: str
     lowering: str
+    schema: str = "Tensor x, str group, SymInt dim"
+    kernel: str = ""
+    grad: str | None = None
+    grad_args: tuple[tuple[str, object], ...] = ()
+    grad_hook: Callable | None = None
     cast_arg: int | None = None
     comm_dtype_arg: int | None = None
+    comm_dtypes: tuple = (None,)
+    reduce_arg: int | None = None
+    check: Callable | None = None
+    route: Callable | None = None
+    counter: str | None = None
+    observed: bool = False
+    counted: bool = True
     fused: tuple[str, ...] = ()
+    doc: str = ""
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.forward + self.backward if c not in COMMS]
-        if unknown or self.shape not in ("same", "gather", "scatter"):
-            raise ValueError(f"collective {self.name!r}: patterns {unknown} are not in COMMS, or shape "
-                             f"{self.shape!r} is not one of same/gather/scatter")
+        if unknown or self.shape not in ("same", "gather", "scatter") or self.kernel not in PATTERNS:
+            raise ValueError(f"collective {self.name!r}: patterns {unknown} are not in COMMS, shape "
+                             f"{self.shape!r} is not one of same/gather/scatter, or kernel {self.kernel!r} is "
+                             f"not one of {PATTERNS}")
+        if (self.kernel == "all_to_all") != (self.route is not None):
+            raise ValueError(f"collective {self.name!r}: the all_to_all pattern needs a route, and only it")
+
+
+# ---- hooks: what a record's fields cannot say -----------------------------------------------------
+
+def _all_reduce_grad(grad: torch.Tensor, x_dtype, args: dict, group_size) -> torch.Tensor:
+    """Identity for "sum" (the gradient is already replicated), divided by the group size for "avg", none
+    for "max"/"min"."""
+    if args["op"] == "sum":
+        return grad
+    if args["op"] == "avg":
+        return grad / group_size(args["group"])
+    raise CollectiveError(f"all_reduce with op={args['op']!r} has no gradient", op="all_reduce", group=args["group"])
+
+
+def _gather_params_grad(grad: torch.Tensor, x_dtype, args: dict, group_size) -> torch.Tensor:
+    """A reduce-scatter of the gradient in the shard's own dtype (fp32 master weights: fp32 reductions), in
+    the wire format's gradient format if it has one; without one the node has 3 arguments, the node every
+    other pass knows."""
+    fmt = wire_format(args["comm_dtype"])
+    quantized = () if fmt is None or fmt.grads is None else (fmt.grads,)
+    return torch.ops.fxpar.reduce_scatter(grad.to(x_dtype), args["group"], args["dim"], *quantized)
 
 
 # Every op of the namespace, in a fixed order (the keys of count_collectives and the byte counts).
 # Gradient convention (Megatron's): a replicated tensor's gradient is replicated, so all_reduce's backward
 # is the identity and identity_fwd_all_reduce_bwd's an all-reduce.
 COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
-    Collective("all_reduce", ("all_reduce",), (), "same", "all_reduce"),
-    Collective("identity_fwd_all_reduce_bwd", (), ("all_reduce",), "same", "identity"),
-    Collective("all_gather", ("all_gather",), (), "gather", "all_gather_into_tensor"),
+    Collective("all_reduce", ("all_reduce",), (), "same", "all_reduce", schema='Tensor x, str group, str op="sum"',
+               kernel="all_reduce", grad_hook=_all_reduce_grad, reduce_arg=2,
+               doc='Reduce ``x`` over ``group`` ("sum", "avg", "max" or "min"); every rank gets the result. '
+                   'Backward: identity for "sum" (the gradient is already replicated), divided by the group '
+                   'size for "avg", none for "max"/"min".'),
+    Collective("identity_fwd_all_reduce_bwd", (), ("all_reduce",), "same", "identity", schema="Tensor x, str group",
+               kernel="identity", grad="all_reduce", grad_args=(("op", "sum"),),
+               doc="Identity (a copy); backward: all-reduce sum of the gradient over ``group``."),
+    Collective("all_gather", ("all_gather",), (), "gather", "all_gather_into_tensor", kernel="all_gather",
+               grad="scatter_slice",
+               doc="Concatenate the ranks' ``x`` along ``dim`` in group-rank order (dim grows ``group size`` "
+                   "times). Backward: this rank's slice of the (replicated) gradient."),
     Collective("all_gather_rs_bwd", ("all_gather",), ("reduce_scatter",), "gather", "all_gather_into_tensor",
-               fused=("all_gather_linear",)),
+               kernel="all_gather", grad="reduce_scatter", fused=("all_gather_linear",),
+               doc="As ``all_gather``, but the gradient reaching it is a per-rank partial sum (sequence "
+                   "parallel, ZeRO-3), so its backward is a reduce-scatter."),
     Collective("reduce_scatter", ("reduce_scatter",), ("all_gather",), "scatter", "reduce_scatter_tensor",
-               comm_dtype_arg=3, fused=("linear_reduce_scatter",)),
-    Collective("scatter_slice", (), ("all_gather",), "scatter", "slice"),
+               schema="Tensor x, str group, SymInt dim, str? comm_dtype=None", kernel="reduce_scatter",
+               grad="all_gather", comm_dtype_arg=3, comm_dtypes=REDUCE_SCATTER_COMM_DTYPES,
+               fused=("linear_reduce_scatter",),
+               doc="Sum ``x`` over ``group`` and keep this rank's slice along ``dim`` (dim shrinks ``group "
+                   "size`` times), sent in the wire format ``comm_dtype`` (:mod:`fxpar.ir.wire`). Backward: "
+                   "all-gather."),
+    Collective("scatter_slice", (), ("all_gather",), "scatter", "slice", kernel="slice", grad="all_gather",
+               doc="This rank's slice along ``dim`` of a tensor replicated over ``group`` (no communication). "
+                   "Backward: all-gather of the gradient along ``dim``."),
     # ZeRO-3: gathered for forward, gathered again for backward (fxpar.runtime.zero3), gradient
     # reduce-scattered: its backward payload counts twice
     Collective("gather_params", ("all_gather",), ("all_gather", "reduce_scatter"), "gather",
-               "all_gather_into_tensor", cast_arg=3, comm_dtype_arg=4),
+               "all_gather_into_tensor",
+               schema="Tensor x, str group, SymInt dim, ScalarType? dtype=None, str? comm_dtype=None",
+               kernel="all_gather", grad_hook=_gather_params_grad, cast_arg=3, comm_dtype_arg=4,
+               comm_dtypes=GATHER_COMM_DTYPES, observed=True,
+               doc="ZeRO-3: this rank's shard of a flat parameter bucket, gathered to the full bucket along "
+                   "``dim`` (cast to ``dtype`` first when given: mixed precision communicates and computes in "
+                   "bf16), sent in the wire format ``comm_dtype`` (:mod:`fxpar.ir.wire`). Backward: "
+                   "reduce-scatter of the gradient in the shard's own dtype (fp32 master weights: fp32 "
+                   "reductions), each rank keeping its shard's sum."),
+    # Expert parallelism's all-to-alls (fxpar.ir.expert_ops): counted by their own counters, never lowered
+    Collective("ep_dispatch", ("all_to_all",), ("all_to_all",), "gather", "opaque",
+               schema="Tensor x, Tensor counts, str group, str layer, bool backward=False", kernel="all_to_all",
+               grad="ep_combine", grad_args=(("backward", True),), check=ep_layout.check_tokens,
+               route=ep_layout.dispatch_route, counter="dispatch", counted=False,
+               doc="``x`` ``[N, H]`` sorted by expert -> ``[ep * N, H]``: the tokens of this rank's experts, "
+                   "grouped by local expert, then zero rows."),
+    Collective("ep_combine", ("all_to_all",), ("all_to_all",), "scatter", "opaque",
+               schema="Tensor y, Tensor counts, str group, str layer, bool backward=False", kernel="all_to_all",
+               grad="ep_dispatch", grad_args=(("backward", True),), check=ep_layout.check_tokens,
+               route=ep_layout.combine_route, counter="combine", counted=False,
+               doc="``y`` ``[ep * N, H]`` in ``ep_dispatch``'s order -> ``[N, H]`` back on the ranks and rows "
+                   "the tokens came from."),
 )}
 
 

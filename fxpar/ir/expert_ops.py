@@ -1,9 +1,13 @@
 """The expert-parallel ops of fxpar's IR: ``fxpar::ep_counts``, ``fxpar::ep_dispatch``, ``fxpar::ep_combine``
 (schemas, fake kernels, autograd) and :class:`EpResult`, what the expert-parallel pass did.
 
-Reads: nothing at import but torch and :mod:`fxpar.ir.ops` (group sizes from names). Writes: three ops
-of the ``fxpar`` namespace; their real kernels are :mod:`fxpar.runtime.expert_parallel`'s (until it is
-imported, running one on real tensors raises :class:`~fxpar.ir.errors.CollectiveError`).
+Reads: nothing at import but torch and :mod:`fxpar.ir.ops` (group sizes from names). Writes: the
+``fxpar::ep_counts`` op; ``ep_dispatch`` and ``ep_combine`` are records of :mod:`fxpar.ir.collectives`
+(their all-to-all is the runtime's ``all_to_all`` pattern, their split sizes :mod:`fxpar.ir.ep_layout`'s),
+defined by :mod:`fxpar.ir.ops` and named here. ``ep_counts`` is no record: its kernel
+(:mod:`fxpar.runtime.expert_parallel`) turns offsets into counts before the all-gather and records the
+load statistics after it, which no communication pattern does. Until the runtime is imported, running
+one on real tensors raises :class:`~fxpar.ir.errors.CollectiveError`.
 
 Why three ops and these shapes: an MoE layer's tokens, sorted by expert, go to the ranks owning their
 experts and come back; how many go where is only known at run time, but a traced graph needs static
@@ -23,9 +27,9 @@ shapes. So:
 
 Autograd: dispatch's backward is a combine of the gradient and combine's backward a dispatch (the
 padding rows' gradients are dropped: they came from no token). ``backward=True`` tells the kernel which
-way the bytes count (``CompiledModel.ep.comm``); ``layer`` names the MoE module for the
-statistics. These ops are not in :data:`fxpar.ir.ops.COLLECTIVE_OPS` (the TP/ZeRO collective counts stay
-as they were); :func:`ep_nodes` lists them.
+way the bytes count (``CompiledModel.ep.comm``, the records' ``counter``); ``layer`` names the MoE module for the
+statistics. These ops are not in :data:`fxpar.ir.ops.COLLECTIVE_OPS` (their records say ``counted=False``:
+the TP/ZeRO collective counts stay as they were); :func:`ep_nodes` lists them.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 import torch.fx
 
 from fxpar.ir.errors import CollectiveError
-from fxpar.ir.ops import group_size
+from fxpar.ir.ops import OPS, group_size
 
 EP_OPS = ("ep_counts", "ep_dispatch", "ep_combine")
 
@@ -70,61 +74,13 @@ def ep_counts(offs: torch.Tensor, group: str, layer: str) -> torch.Tensor:
     return _no_kernel("ep_counts", group)
 
 
-@torch.library.custom_op("fxpar::ep_dispatch", mutates_args=())
-def ep_dispatch(x: torch.Tensor, counts: torch.Tensor, group: str, layer: str, backward: bool = False) -> torch.Tensor:
-    """``x`` ``[N, H]`` sorted by expert -> ``[ep * N, H]``: the tokens of this rank's experts, grouped by
-    local expert, then zero rows."""
-    return _no_kernel("ep_dispatch", group)
-
-
-@torch.library.custom_op("fxpar::ep_combine", mutates_args=())
-def ep_combine(y: torch.Tensor, counts: torch.Tensor, group: str, layer: str, backward: bool = False) -> torch.Tensor:
-    """``y`` ``[ep * N, H]`` in ``ep_dispatch``'s order -> ``[N, H]`` back on the ranks and rows the tokens
-    came from."""
-    return _no_kernel("ep_combine", group)
-
-
-def _check(op: str, group: str, x: torch.Tensor, counts: torch.Tensor) -> int:
-    n = group_size(group)
-    if x.dim() != 2 or counts.dim() != 2 or counts.shape[0] != n:
-        raise CollectiveError(f"takes [rows, hidden] tokens and [ep={n}, experts] counts, got {tuple(x.shape)} "
-                              f"and {tuple(counts.shape)}", op=op, group=group)
-    return n
+ep_dispatch = OPS["ep_dispatch"]  # records of fxpar.ir.collectives
+ep_combine = OPS["ep_combine"]
 
 
 @ep_counts.register_fake
 def _counts_fake(offs, group, layer):
     return offs.new_empty((group_size(group), offs.shape[0]), dtype=torch.int64)
-
-
-@ep_dispatch.register_fake
-def _dispatch_fake(x, counts, group, layer, backward=False):
-    n = _check("ep_dispatch", group, x, counts)
-    return x.new_empty((n * x.shape[0], x.shape[1]))
-
-
-@ep_combine.register_fake
-def _combine_fake(y, counts, group, layer, backward=False):
-    n = _check("ep_combine", group, y, counts)
-    if y.shape[0] % n:
-        raise CollectiveError(f"{y.shape[0]} rows do not split over {n} ranks", op="ep_combine", group=group)
-    return y.new_empty((y.shape[0] // n, y.shape[1]))
-
-
-def _save(ctx, inputs, output):
-    ctx.counts, ctx.group, ctx.layer = inputs[1], inputs[2], inputs[3]
-
-
-def _dispatch_bwd(ctx, grad):
-    return ep_combine(grad, ctx.counts, ctx.group, ctx.layer, True), None, None, None, None
-
-
-def _combine_bwd(ctx, grad):
-    return ep_dispatch(grad, ctx.counts, ctx.group, ctx.layer, True), None, None, None, None
-
-
-ep_dispatch.register_autograd(_dispatch_bwd, setup_context=_save)
-ep_combine.register_autograd(_combine_bwd, setup_context=_save)
 
 
 def ep_kind(node: torch.fx.Node) -> str | None:

@@ -1,7 +1,10 @@
-"""The collective ops of fxpar's IR: ``torch.ops.fxpar.*`` schemas, fake kernels and autograd formulas.
+"""The collective ops of fxpar's IR: ``torch.ops.fxpar.*`` schemas, fake kernels and autograd formulas,
+made from the records of :mod:`fxpar.ir.collectives`.
 
-Reads: nothing at import but torch; group names, when an op is traced. Writes: the ``fxpar`` op
-namespace of torch's dispatcher (schemas, fake/meta kernels, autograd formulas).
+Reads: the records (:data:`~fxpar.ir.collectives.COLLECTIVES`) at import; group names, when an op is
+traced. Writes: the ``fxpar`` op namespace of torch's dispatcher (schemas, fake/meta kernels, autograd
+formulas), one op per record (:func:`define`, looped over the records; nothing here names an op but the
+module attributes that keep the public names, ``fxpar.ir.ops.all_gather`` ...).
 
 Why here and not in the runtime: passes insert these ops, the cost model counts them and tracing runs
 them on fake tensors, none of which needs a process group. So the schemas live in the vocabulary
@@ -14,7 +17,8 @@ Design, in short:
 * Each collective is a functional ``torch.library`` custom op (namespace ``fxpar``; it returns a new
   tensor, never mutates or aliases its input), so it is an ordinary node of an ATen graph: torch.export,
   make_fx and FakeTensorMode trace it through its fake kernel, and passes can count, bucket and reorder
-  it. Its backward formula is written with fxpar ops too, so a traced backward shows its collectives.
+  it. Its backward formula is written with fxpar ops too (the record's ``grad`` op, or its ``grad_hook``),
+  so a traced backward shows its collectives.
 * Gradient convention (Megatron's): a tensor replicated across a group has one gradient, held
   identically by every rank. ``all_reduce`` (the "g" after a row-parallel linear) thus has an identity
   backward, ``identity_fwd_all_reduce_bwd`` ("f") an all-reduce backward, ``all_gather`` a slice
@@ -39,13 +43,14 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from fxpar.ir.collectives import COLLECTIVES, collective, fused_collectives
+from fxpar.ir.collectives import COLLECTIVES, Collective, fused_collectives
 from fxpar.ir.errors import CollectiveError, FxparError
-from fxpar.ir.wire import GATHER_COMM_DTYPES, REDUCE_SCATTER_COMM_DTYPES, check_comm_dtype
+from fxpar.ir.wire import check_comm_dtype
 
 __all__ = [
     "COLLECTIVE_OPS",
     "FUSED_COLLECTIVES",
+    "OPS",
     "REDUCE_OPS",
     "all_gather",
     "all_gather_rs_bwd",
@@ -54,6 +59,7 @@ __all__ = [
     "collective_nodes",
     "count_collectives",
     "default_group_size",
+    "define",
     "gather_params",
     "gather_params_op",
     "group_size",
@@ -66,7 +72,7 @@ __all__ = [
 
 # Every op of the namespace, in a fixed order (the keys of count_collectives and the byte counts):
 # one record each in fxpar.ir.collectives
-COLLECTIVE_OPS = tuple(COLLECTIVES)
+COLLECTIVE_OPS = tuple(name for name, c in COLLECTIVES.items() if c.counted)
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 # fused kernels that run one of these ops inside (fxpar.ir.collective_matmul_ops): counted as that op
@@ -163,7 +169,31 @@ def check_reduce_op(op: str, group: str, reduce_op: str, x: torch.Tensor) -> Non
 
 
 # ---------------------------------------------------------------------------------------------------
-# The ops. Their bodies are the kernels used until fxpar.runtime.collectives registers the real ones.
+# The ops, made from their records. Their bodies are the kernels used until fxpar.runtime.collectives
+# registers the real ones.
+
+
+class Signature:
+    """The argument names and defaults of a record's ``schema``, as torch parses it."""
+
+    def __init__(self, schema: str):
+        parsed = torch._C.parse_schema(f"fxpar::_({schema}) -> Tensor")
+        self.names = tuple(a.name for a in parsed.arguments)
+        self.defaults = {a.name: a.default_value for a in parsed.arguments if a.has_default_value()}
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple:
+        """Every argument in schema order, defaults filled in."""
+        rest = self.names[len(args):]
+        return (*args, *(kwargs[n] if n in kwargs else self.defaults[n] for n in rest))
+
+    def named(self, values: tuple) -> dict:
+        """The arguments after the tensor, by name."""
+        return dict(zip(self.names[1:], values[1:]))
+
+
+# name -> the op defined from its record, and its signature (define writes both)
+OPS: dict[str, torch._library.custom_ops.CustomOpDef] = {}
+SIGNATURES: dict[str, Signature] = {}
 
 
 def _no_kernel(op: str, group: str) -> torch.Tensor:
@@ -171,64 +201,10 @@ def _no_kernel(op: str, group: str) -> torch.Tensor:
                           "fxpar.runtime.collectives registers them", op=op, group=group)
 
 
-@torch.library.custom_op("fxpar::all_reduce", mutates_args=())
-def all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
-    """Reduce ``x`` over ``group`` ("sum", "avg", "max" or "min"); every rank gets the result.
-    Backward: identity for "sum" (the gradient is already replicated), divided by the group size for
-    "avg", none for "max"/"min"."""
-    return _no_kernel("all_reduce", group)
-
-
-@torch.library.custom_op("fxpar::identity_fwd_all_reduce_bwd", mutates_args=())
-def identity_fwd_all_reduce_bwd(x: torch.Tensor, group: str) -> torch.Tensor:
-    """Identity (a copy); backward: all-reduce sum of the gradient over ``group``."""
-    return _no_kernel("identity_fwd_all_reduce_bwd", group)
-
-
-@torch.library.custom_op("fxpar::all_gather", mutates_args=())
-def all_gather(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
-    """Concatenate the ranks' ``x`` along ``dim`` in group-rank order (dim grows ``group size`` times).
-    Backward: this rank's slice of the (replicated) gradient."""
-    return _no_kernel("all_gather", group)
-
-
-@torch.library.custom_op("fxpar::all_gather_rs_bwd", mutates_args=())
-def all_gather_rs_bwd(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
-    """As :func:`all_gather`, but the gradient reaching it is a per-rank partial sum (sequence
-    parallel, ZeRO-3), so its backward is a reduce-scatter."""
-    return _no_kernel("all_gather_rs_bwd", group)
-
-
-@torch.library.custom_op("fxpar::gather_params", mutates_args=())
-def gather_params(x: torch.Tensor, group: str, dim: int, dtype: torch.dtype | None = None,
-                  comm_dtype: str | None = None) -> torch.Tensor:
-    """ZeRO-3: this rank's shard of a flat parameter bucket, gathered to the full bucket along ``dim``
-    (cast to ``dtype`` first when given: mixed precision communicates and computes in bf16), sent in
-    the wire format ``comm_dtype`` (:mod:`fxpar.ir.wire`). Backward: reduce-scatter of the gradient in
-    the shard's own dtype (fp32 master weights: fp32 reductions), each rank keeping its shard's sum."""
-    return _no_kernel("gather_params", group)
-
-
-def gather_params_op():
-    return torch.ops.fxpar.gather_params.default
-
-
-@torch.library.custom_op("fxpar::reduce_scatter", mutates_args=())
-def reduce_scatter(x: torch.Tensor, group: str, dim: int, comm_dtype: str | None = None) -> torch.Tensor:
-    """Sum ``x`` over ``group`` and keep this rank's slice along ``dim`` (dim shrinks ``group size``
-    times), sent in the wire format ``comm_dtype`` (:mod:`fxpar.ir.wire`). Backward: all-gather."""
-    return _no_kernel("reduce_scatter", group)
-
-
-@torch.library.custom_op("fxpar::scatter_slice", mutates_args=())
-def scatter_slice(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
-    """This rank's slice along ``dim`` of a tensor replicated over ``group`` (no communication).
-    Backward: all-gather of the gradient along ``dim``."""
-    return _no_kernel("scatter_slice", group)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Fake kernels: shapes only (FakeTensorMode, meta tensors, torch.export, make_fx)
+def _placeholder(rec: Collective, sig: Signature):
+    def body(*args, **kwargs):
+        return _no_kernel(rec.name, sig.named(sig.bind(args, kwargs))["group"])
+    return body
 
 
 def _fake_size(op: str, group: str) -> int:
@@ -246,104 +222,86 @@ def _resized(x: torch.Tensor, dim: int, size) -> torch.Tensor:
     return x.new_empty(shape)
 
 
-def _shaped(op: str, x: torch.Tensor, group: str, dim: int | None = None) -> torch.Tensor:
-    """The output of op ``op`` on ``x`` by its record's shape rule (:class:`fxpar.ir.collectives.Collective`)."""
-    shape = collective(op).shape
-    if shape == "same":
+def _shaped(rec: Collective, x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
+    """The output of ``rec``'s op on ``x`` by its record's shape rule (:class:`fxpar.ir.collectives.Collective`)."""
+    if rec.shape == "same":
         return x.new_empty(x.shape)
-    d = check_dim(op, group, x, dim)
-    n = _fake_size(op, group)
-    return _resized(x, d, x.shape[d] * n if shape == "gather" else shard_len(op, group, x, d, n))
+    d = check_dim(rec.name, group, x, dim)
+    n = _fake_size(rec.name, group)
+    return _resized(x, d, x.shape[d] * n if rec.shape == "gather" else shard_len(rec.name, group, x, d, n))
 
 
-@all_reduce.register_fake
-def _all_reduce_fake(x, group, op="sum"):
-    check_reduce_op("all_reduce", group, op, x)
-    return _shaped("all_reduce", x, group)
-
-
-@identity_fwd_all_reduce_bwd.register_fake
-def _identity_fake(x, group):
-    return _shaped("identity_fwd_all_reduce_bwd", x, group)
-
-
-def _fake(op: str):
-    def fake(x, group, dim):
-        return _shaped(op, x, group, dim)
+def _fake(rec: Collective, sig: Signature):
+    """Shapes only (FakeTensorMode, meta tensors, torch.export, make_fx), after the record's local checks."""
+    def fake(*args, **kwargs):
+        values = sig.bind(args, kwargs)
+        x, named = values[0], sig.named(values)
+        group = named["group"]
+        if rec.reduce_arg is not None:
+            check_reduce_op(rec.name, group, values[rec.reduce_arg], x)
+        if rec.comm_dtype_arg is not None:
+            check_comm_dtype(rec.name, group, values[rec.comm_dtype_arg], rec.comm_dtypes)
+        if rec.check is not None:
+            rec.check(rec.name, group, x, named, group_size(group))
+        out = _shaped(rec, x, group, named.get("dim", 0))
+        dtype = None if rec.cast_arg is None else values[rec.cast_arg]
+        return out if dtype is None else out.to(dtype)
     return fake
 
 
-for _op in ("all_gather", "all_gather_rs_bwd", "scatter_slice"):
-    torch.library.register_fake(f"fxpar::{_op}", _fake(_op))
+def _setup(ctx, inputs, output):
+    ctx.values, ctx.x_dtype = inputs[1:], inputs[0].dtype
 
 
-@gather_params.register_fake
-def _gather_params_fake(x, group, dim, dtype=None, comm_dtype=None):
-    check_comm_dtype("gather_params", group, comm_dtype, GATHER_COMM_DTYPES)
-    out = _shaped("gather_params", x, group, dim)
-    return out if dtype is None else out.to(dtype)
-
-
-@reduce_scatter.register_fake
-def _reduce_scatter_fake(x, group, dim, comm_dtype=None):
-    check_comm_dtype("reduce_scatter", group, comm_dtype, REDUCE_SCATTER_COMM_DTYPES)
-    return _shaped("reduce_scatter", x, group, dim)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Autograd: every backward is itself made of fxpar ops (differentiable, visible in traced backwards)
-
-
-def _save_group_dim(ctx, inputs, output):
-    ctx.group, ctx.dim = inputs[1], inputs[2]
-
-
-def _save_all_reduce(ctx, inputs, output):
-    group = inputs[1]
-    ctx.group = group
-    ctx.op = inputs[2] if len(inputs) > 2 else "sum"
-    ctx.n = group_size(group) if ctx.op == "avg" else 1
-
-
-def _all_reduce_bwd(ctx, grad):
-    if ctx.op == "sum":
-        return grad, None, None
-    if ctx.op == "avg":
-        return grad / ctx.n, None, None
-    raise CollectiveError(f"all_reduce with op={ctx.op!r} has no gradient", op="all_reduce", group=ctx.group)
-
-
-def _identity_save(ctx, inputs, output):
-    ctx.group = inputs[1]
-
-
-def _identity_bwd(ctx, grad):
-    return all_reduce(grad, ctx.group, "sum"), None
-
-
-def _backward_with(fn, extra: int = 0):  # extra: optional arguments after (x, group, dim)
+def _backward(rec: Collective, sig: Signature):
+    """The record's gradient, itself made of fxpar ops (differentiable, visible in traced backwards)."""
     def backward(ctx, grad):
-        return fn(grad, ctx.group, ctx.dim), None, None, *(None,) * extra
+        named = dict(zip(sig.names[1:], ctx.values))
+        if rec.grad_hook is not None:
+            return rec.grad_hook(grad, ctx.x_dtype, named, group_size), *(None,) * len(ctx.values)
+        given = {**named, **dict(rec.grad_args)}
+        call = [grad]
+        for name in SIGNATURES[rec.grad].names[1:]:  # the gradient op's arguments, up to the first not given
+            if name not in given:
+                break
+            call.append(given[name])
+        return OPS[rec.grad](*call), *(None,) * len(ctx.values)
     return backward
 
 
-def _gather_params_save(ctx, inputs, output):
-    ctx.group, ctx.dim, ctx.dtype = inputs[1], inputs[2], inputs[0].dtype
-    ctx.quantized = len(inputs) > 4 and inputs[4] == "int8+grads"
+def define(rec: Collective):
+    """Define ``torch.ops.fxpar.<rec.name>`` from its record: the schema, a kernel raising until the runtime
+    registers the real one, the fake kernel, the autograd formula. Returns the op (a ``torch.library``
+    custom op; the module attributes below are these). A record's ``grad`` names a record of
+    :data:`~fxpar.ir.collectives.COLLECTIVES` or an op defined before."""
+    if rec.grad is not None and rec.grad not in OPS and rec.grad not in COLLECTIVES:
+        raise FxparError(f"collective {rec.name!r}: its gradient op {rec.grad!r} is neither a record of "
+                         "fxpar.ir.collectives.COLLECTIVES nor defined; define it first")
+    sig = Signature(rec.schema)
+    op = torch.library.custom_op(f"fxpar::{rec.name}", _placeholder(rec, sig), mutates_args=(),
+                                 schema=f"({rec.schema}) -> Tensor")
+    op.register_fake(_fake(rec, sig))
+    if rec.grad is not None or rec.grad_hook is not None:
+        op.register_autograd(_backward(rec, sig), setup_context=_setup)
+    op.__doc__ = rec.doc
+    OPS[rec.name], SIGNATURES[rec.name] = op, sig
+    return op
 
 
-def _gather_params_bwd(ctx, grad):  # 3 arguments unless quantized: the node every other pass knows
-    args = (grad.to(ctx.dtype), ctx.group, ctx.dim) + (("int8",) if ctx.quantized else ())
-    return reduce_scatter(*args), None, None, None, None
+for _rec in COLLECTIVES.values():
+    define(_rec)
+
+all_reduce = OPS["all_reduce"]
+identity_fwd_all_reduce_bwd = OPS["identity_fwd_all_reduce_bwd"]
+all_gather = OPS["all_gather"]
+all_gather_rs_bwd = OPS["all_gather_rs_bwd"]
+gather_params = OPS["gather_params"]
+reduce_scatter = OPS["reduce_scatter"]
+scatter_slice = OPS["scatter_slice"]
 
 
-all_reduce.register_autograd(_all_reduce_bwd, setup_context=_save_all_reduce)
-identity_fwd_all_reduce_bwd.register_autograd(_identity_bwd, setup_context=_identity_save)
-all_gather.register_autograd(_backward_with(scatter_slice), setup_context=_save_group_dim)
-all_gather_rs_bwd.register_autograd(_backward_with(reduce_scatter), setup_context=_save_group_dim)
-gather_params.register_autograd(_gather_params_bwd, setup_context=_gather_params_save)
-reduce_scatter.register_autograd(_backward_with(all_gather, 1), setup_context=_save_group_dim)
-scatter_slice.register_autograd(_backward_with(all_gather), setup_context=_save_group_dim)
+def gather_params_op():
+    return torch.ops.fxpar.gather_params.default
 
 
 # ---------------------------------------------------------------------------------------------------

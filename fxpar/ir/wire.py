@@ -1,7 +1,9 @@
 """Wire formats of fxpar's collectives: ZeRO++-style int8 communication (``Plan(comm_dtype="int8")``).
 
-Reads: nothing. Writes nothing: names, sizes and checks shared by the op schemas (:mod:`fxpar.ir.ops`),
-their kernels (:mod:`fxpar.runtime.collectives`) and the byte counters (:mod:`fxpar.cost.comm`).
+Reads: nothing. Writes nothing: one table of formats (:data:`FORMATS`: what each costs on the wire and the
+format of its gradient), read by the op records (:mod:`fxpar.ir.collectives`: which op takes which), their
+fake and real kernels (:mod:`fxpar.ir.ops`, :mod:`fxpar.runtime.collectives`) and the byte counters
+(:mod:`fxpar.cost.comm`), none of which names a format.
 
 Quantized communication is an argument of the ops, not an op of its own, so counts and passes see the
 same ``gather_params`` / ``reduce_scatter`` nodes and the byte counters read the format off the node:
@@ -19,11 +21,12 @@ statistics. Numerics and error bounds: :mod:`fxpar.runtime.kernels.quant`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from fxpar.ir.errors import CollectiveError
 
-__all__ = ["GATHER_COMM_DTYPES", "INT8_BLOCK", "REDUCE_SCATTER_COMM_DTYPES", "check_comm_dtype",
-           "int8_wire_bytes"]
+__all__ = ["FORMATS", "GATHER_COMM_DTYPES", "INT8_BLOCK", "REDUCE_SCATTER_COMM_DTYPES", "WireFormat",
+           "check_comm_dtype", "int8_wire_bytes", "wire_format"]
 
 GATHER_COMM_DTYPES = (None, "int8", "int8+grads")
 REDUCE_SCATTER_COMM_DTYPES = (None, "int8")
@@ -41,3 +44,25 @@ def int8_wire_bytes(numel: int, n: int, block: int = INT8_BLOCK) -> int:
     per ``block`` entries (the last block of a slice may be short): ``1 + 4 / block`` per entry."""
     k = math.ceil(numel / n)
     return n * (k + 4 * math.ceil(k / block))
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """A wire format: ``block`` entries per fp32 scale of its int8 codes; ``grads``: the format the
+    gradient of an op sending in it goes in (None: the gradient's own dtype)."""
+
+    name: str
+    block: int = INT8_BLOCK
+    grads: str | None = None
+
+    def wire_bytes(self, numel: int, n: int) -> int:
+        """Bytes on the wire of ``numel`` entries cut into ``n`` slices (:func:`int8_wire_bytes`)."""
+        return int8_wire_bytes(numel, n, self.block)
+
+
+FORMATS: dict[str, WireFormat] = {f.name: f for f in (WireFormat("int8"), WireFormat("int8+grads", grads="int8"))}
+
+
+def wire_format(comm_dtype: str | None) -> WireFormat | None:
+    """The format a ``comm_dtype`` argument names; None for the tensor's own dtype."""
+    return None if comm_dtype is None else FORMATS[comm_dtype]
