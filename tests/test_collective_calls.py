@@ -18,9 +18,8 @@ CALLS = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_singl
          "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list"}
 # the modules that may call them, and why
 ALLOWED = {
-    "runtime/collectives.py": "the kernels of the IR's collective ops",
+    "runtime/collectives.py": "the kernels of the IR's collective ops (EP's all-to-alls included): one per pattern",
     "runtime/dist_calls.py": "the runtime's other collectives, wrapped",
-    "runtime/expert_parallel.py": "the EP ops' all-to-alls, inside collectives._communicate",
     "runtime/kernels/collective_matmul.py": "the chunked collectives of its ops, inside its _start/_finish",
     "runtime/pipeline.py": "the pipeline's transfers: their waits raise a PipelineError naming stage, microbatch, peer",
     "runtime/calibrate.py": "fxpar calibrate times the raw calls",
