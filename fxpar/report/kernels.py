@@ -17,6 +17,7 @@ from collections import Counter
 
 import torch
 
+from fxpar.ir.collectives import collective
 from fxpar.ir.kernel_catalogue import KERNELS
 from fxpar.ir.ops import collective_kind
 from fxpar.ir.rank_view import view_of
@@ -40,7 +41,7 @@ def kernel_rows(compiled) -> list[dict]:
                 name = _fused_name(node)
                 if name is not None:
                     found[(name, f"stage {stage.index}")] += 1
-                if collective_kind(node) == "gather_params" and str(_comm_dtype(node)).startswith("int8"):
+                if _quantized_gather(node):
                     found[("quantize_shard", f"stage {stage.index}")] += 1
                     found[("dequantize_copy_out", f"stage {stage.index}")] += 1
     rows = [{"kernel": name, "where": where, "sites": n, "what": _what(name),
@@ -65,8 +66,15 @@ def _fused_name(node: torch.fx.Node) -> str | None:
     return name if namespace == "fxpar_kernels" else None
 
 
-def _comm_dtype(node: torch.fx.Node):
-    return node.args[4] if len(node.args) > 4 else node.kwargs.get("comm_dtype")
+def _quantized_gather(node: torch.fx.Node) -> bool:
+    """Whether the node is an all-gather sent in a wire format (its record's ``comm_dtype_arg``): the
+    quantize copy-in and dequantize copy-out kernels run around it."""
+    kind = collective_kind(node)
+    rec = collective(kind) if kind is not None else None
+    if rec is None or rec.kernel != "all_gather" or rec.comm_dtype_arg is None:
+        return False
+    at = rec.comm_dtype_arg
+    return (node.args[at] if len(node.args) > at else node.kwargs.get("comm_dtype")) is not None
 
 
 def format_kernel_rows(rows: list[dict]) -> str:
