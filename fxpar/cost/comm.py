@@ -36,7 +36,7 @@ from fxpar.ir.collectives import COLLECTIVES, collective
 from fxpar.ir.collectives import COMMS as COMM_RECORDS
 from fxpar.ir.errors import FxparError
 from fxpar.ir.numeric import nbytes
-from fxpar.ir.ops import COLLECTIVE_OPS, collective_nodes, group_size
+from fxpar.ir.ops import COLLECTIVE_OPS, collective_kind, collective_nodes, group_size
 from fxpar.ir.wire import wire_format
 
 __all__ = ["COMMS", "KINDS", "RING", "collective_bytes", "collective_events", "collective_ring_bytes",
@@ -109,8 +109,8 @@ def payloads(kind: str, node: torch.fx.Node, *, backward: bool = False) -> list[
     if not comms:
         return []
     n = group_size(_node_arg(node, 1, "group"))
-    at = rec.comm_dtype_arg
-    fmt = None if at is None else wire_format(_node_arg(node, at, "comm_dtype"))
+    at = rec.comm_dtype_arg  # (a fused kernel counted as the op has arguments of its own, no wire format)
+    fmt = None if at is None or collective_kind(node) != kind else wire_format(_node_arg(node, at, "comm_dtype"))
     sent = fmt.wire_bytes(_full_numel(kind, node, n), n) if fmt is not None else _full_bytes(kind, node)
     if rec.cast_arg is None or not backward:
         return [(c, sent) for c in comms]
