@@ -29,7 +29,9 @@ BACKENDS = ("auto", "torch", "triton")
 # The ops whose Triton path "auto" picks on CUDA: those `./dev gpu` measured faster than their torch path
 # (docs/benchmarks.md, "GPU checks", an H100): pack_shard 1.28-1.33x, quantize_shard 2.6x, dequantize_copy_out
 # 2.1x, the fused loss's per-chunk kernels 2.2-2.8x. copy_out's Triton path was 0.98x torch's: torch's stays.
-CUDA_DEFAULT = frozenset({"pack_shard", "quantize_shard", "dequantize_copy_out", "linear_cross_entropy"})
+# chunk_attention (an H200, bf16/fp16): 3.9-9.0x forward, 3.0-4.7x backward; its fp32 stays torch's by default.
+CUDA_DEFAULT = frozenset({"pack_shard", "quantize_shard", "dequantize_copy_out", "linear_cross_entropy",
+                          "chunk_attention"})
 
 _FORCED: contextvars.ContextVar[str] = contextvars.ContextVar("fxpar_kernels_forced", default="auto")
 
