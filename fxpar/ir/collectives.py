@@ -81,9 +81,9 @@ class Collective:
     the gradient, with the forward's arguments of the same names (positionally, up to the first it lacks)
     and ``grad_args`` set; ``grad_hook(grad, x_dtype, args, group_size)`` instead, where a rule needs more
     (``args``: the forward's arguments after the tensor, by name; ``group_size``:
-    :func:`fxpar.ir.ops.group_size`, which this module cannot import); neither: no gradient. ``cast_arg``: the position of a
-    dtype argument cast to before communicating (the gradient comes back in the input's dtype);
-    ``comm_dtype_arg``: of the wire format argument (:mod:`fxpar.ir.wire`; a quantized node is not
+    :func:`fxpar.ir.ops.group_size`, which this module cannot import); neither: no gradient. ``cast_arg``:
+    the position of a dtype argument cast to before communicating (the gradient comes back in the input's
+    dtype); ``comm_dtype_arg``: of the wire format argument (:mod:`fxpar.ir.wire`; a quantized node is not
     lowered), ``comm_dtypes`` the formats it takes; ``reduce_arg``: of the reduction's name ("sum", ...).
     ``check(op, group, x, args, n)``: a local check of the arguments (fake and real kernels);
     ``route(x, args, n, rank)``: the ``"all_to_all"`` pattern's rows, split sizes and output
