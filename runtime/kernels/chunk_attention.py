@@ -391,7 +391,8 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the union of two disjoint key sets from each one's ``(out, lse)``: ``lse`` their
     log-add-exp, ``out`` the outputs weighted by ``exp(lse_x - lse)`` (in fp32; ``out_a``'s dtype). Rows
-    with no key in one set (lse -inf) take the other's; in neither, out 0 and lse -inf."""
+    with no key in one set (lse -inf) take the other's; in neither, out 0 and lse -inf. Attention sinks
+    (gpt-oss) are such a partial, merged once: out 0, lse the head's sink logit."""
     lse = torch.logaddexp(lse_a, lse_b)
     base = _finite(lse)
     out = out_a.float() * torch.exp(lse_a - base)[..., None] + out_b.float() * torch.exp(lse_b - base)[..., None]

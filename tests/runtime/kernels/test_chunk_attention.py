@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,6 +144,40 @@ def test_merge_partials_of_disjoint_keys_and_empty_sides():
     out, lse = ca.merge_partials(*nothing, *nothing)
     assert (out == 0).all() and (lse == float("-inf")).all()
     assert torch.equal(ca.merge_partials(*whole, *nothing)[0], whole[0])
+
+
+def test_sinks_are_a_partial_with_no_value():
+    """gpt-oss's attention sinks (a per-head logit in the softmax's denominator, with no value) are a partial
+    with out 0 and lse the sink, merged once; each key chunk's backward from the merged out and lse then
+    gives the gradients of attention with sinks (the reference: the sink as an extra score column)."""
+    q, k, v, go, mask, _, _ = _data("sliding_window_gqa")
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    sink = (torch.zeros_like(q), sinks[None, :, None].expand(q.shape[:3]))
+    halves = [(k[:, :, a:b], v[:, :, a:b], mask[:, a:b]) for a, b in ((0, 10), (10, S))]
+    out, lse = ca.merge_partials(*ca.chunk_attention(q, *halves[0]), *sink)
+    out, lse = ca.merge_partials(out, lse, *ca.chunk_attention(q, *halves[1]))
+    grads = [ca.chunk_attention_backward(q, kc, vc, out, lse, go, mc) for kc, vc, mc in halves]
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    s = _scores(qr, kr, mask, None, None)
+    p = torch.cat([s, sinks[None, :, None, None].expand(B, -1, S, 1)], -1).softmax(-1)[..., :S]
+    want = p @ vr.repeat_interleave(2, 1)
+    (want * go).sum().backward()
+    torch.testing.assert_close(out, want.detach(), rtol=1e-6, atol=1e-6)
+    for got, ref in ((grads[0][0] + grads[1][0], qr.grad), (torch.cat([g[1] for g in grads], 2), kr.grad),
+                     (torch.cat([g[2] for g in grads], 2), vr.grad)):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * max(1.0, ref.abs().max().item()))
+
+
+def test_default_path_on_cuda_is_triton_for_16_bit_inputs(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv(kernels.TRITON_ENV, raising=False)
+    on_cuda = [SimpleNamespace(device=torch.device("cuda"), dtype=t) for t in (torch.bfloat16, torch.float16)]
+    fp32_cuda = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
+    assert all(ca._triton(t) for t in on_cuda) and not ca._triton(fp32_cuda) and not ca._triton(torch.ones(1))
+    with kernels.forced("triton"):  # asked for: every dtype and device
+        assert ca._triton(fp32_cuda) and ca._triton(torch.ones(1))
+    with kernels.forced("torch"):
+        assert not any(ca._triton(t) for t in on_cuda)
 
 
 def test_op_has_a_fake_kernel():
