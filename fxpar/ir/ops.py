@@ -191,7 +191,8 @@ class Signature:
         return dict(zip(self.names[1:], values[1:]))
 
 
-# name -> the op defined from its record, and its signature (define writes both)
+# name -> the op defined from its record, and its signature (define writes both, once per op): a per-process
+# registry, as torch's dispatcher that holds the ops is; the runtime reads it to register the kernels
 OPS: dict[str, torch._library.custom_ops.CustomOpDef] = {}
 SIGNATURES: dict[str, Signature] = {}
 
