@@ -20,6 +20,8 @@ from fxpar.ir.program import Program
 from fxpar.ir.resolved import zero3_bucket_bytes
 from fxpar.ir.stage import PipelineProgram
 from fxpar.passes.collective_matmul import collective_matmul
+from fxpar.passes.context_parallel import check as context_parallel_check
+from fxpar.passes.context_parallel import context_parallel
 from fxpar.passes.drop_dtype_asserts import drop_dtype_asserts
 from fxpar.passes.expert_parallel import expert_parallel, expert_regions
 from fxpar.passes.fused_loss import fuse_loss
@@ -68,6 +70,14 @@ def _expert_parallel_check(program: Program, ctx: PassContext) -> None:
         raise PlanError(f"Plan(ep={ctx.mesh.ep}) does not take weights= yet (expert slices are cut from a "
                         "materialised model): build the model on a device (docs/expert_parallel.md)")
     expert_regions(program, ctx.mesh.ep)
+
+
+def _context_parallel(program: Program, ctx: PassContext) -> Program:
+    loss = loss_position(program)  # the loss is summed over cp; other sharded outputs stay this rank's rows
+    keep = None if loss is None else {[i for i, b in enumerate(program.outputs) if b.kind == "user"][loss]}
+    program, ctx.shared["cp"] = context_parallel(program, ctx.mesh.cp, ctx.mesh.cp_rank, ctx.group("cp"),
+                                                 keep_outputs=keep)
+    return program
 
 
 def _split(program: Program, ctx: PassContext) -> PipelineProgram:
@@ -123,6 +133,9 @@ PROGRAM_PASSES = (  # Program -> Program: the whole traced graph, the same on ev
     # before the split too: each stage keeps its MoE layers' dispatch and combine; the EpResult goes to
     # ctx.shared["ep"] (the compiled model's gradient groups, statistics and checkpoints read it)
     Pass("expert_parallel", _expert_parallel, when=lambda c: c.mesh.ep > 1, check=_expert_parallel_check),
+    # after TP (heads split, then the sequence), before the split: each attention's gathers stay in its stage
+    Pass("context_parallel", _context_parallel, when=lambda c: c.mesh.cp > 1,
+         check=lambda program, c: context_parallel_check(program, c.mesh.cp)),
 )
 SPLIT = Pass("pipeline_split", _split)  # Program -> PipelineProgram; cuts chosen on the traced program (ctx.cuts)
 STAGE_PASSES = (  # StageSpec -> StageSpec, only the stages this rank runs, pass-major

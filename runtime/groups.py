@@ -175,5 +175,10 @@ def mesh_groups(spec: MeshSpec, device_type: str, dp_axis: str = "dp_replicate")
             pg = dist.new_group(list(ranks))
             if spec.rank in ranks:
                 register_group(spec.replica_group_name(), pg)
+    if spec.cp > 1:  # context parallelism: gradients reduce (ZeRO shards) over dp x cp
+        for ranks in sorted({tuple(spec.grad_ranks(r)) for r in range(spec.world_size)}):
+            pg = mesh.get_group("cp") if len(ranks) == spec.cp else dist.new_group(list(ranks))
+            if spec.rank in ranks:
+                register_group(spec.grad_group_name(), pg)
     return mesh
 

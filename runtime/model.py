@@ -246,9 +246,9 @@ def make_engine(named, factory, groups: ParamGroups | None, result: CompileResul
         if mixed:  # the ZeRO-3 pass splits buckets by group; a mixed one would step some entries wrongly
             raise RuntimeError(f"fxpar.runtime.model: ZeRO-3 buckets {mixed[:2]} mix optimizer parameter groups")
         group_of = {id(p): groups.index(canonical.get(id(p), n)) for n, p in named}
-    if mesh.replicas > 1 or plan.zero:
+    if mesh.grad_size > 1 or plan.zero:
         expert_group = (mesh.group_name("dp"), mesh.dp, mesh.dp_rank)
-        dense_group = (mesh.replica_group_name(), mesh.replicas, mesh.replica_rank)
+        dense_group = (mesh.grad_group_name(), mesh.grad_size, mesh.grad_rank)
         if mesh.dp_replicate > 1:  # HSDP (ep=1): shards over the shard group, each shard's copies over replicas
             dense_group = (mesh.shard_group_name(), mesh.dp_shard, mesh.dp_shard_rank)
         engine = DataParallelEngine(named, factory, dp=dense_group[1], rank=dense_group[2], zero=plan.zero,

@@ -50,8 +50,8 @@ class TrainingStep:
         loss_stage = next(s for s in result.pipeline.stages if result.pipeline.loss_output in s.final)
         loss = sum((out.losses[i].detach() for i in sorted(out.losses)), torch.zeros(())).to(self.device).reshape(())
         work = None
-        if spec.world_size > 1:  # the loss stage's TP rank 0 of every replica holds its share of the global loss
-            if not (loss_stage.rank == spec.pp_rank and spec.tp_rank == 0):
+        if spec.world_size > 1:  # the loss stage's TP and CP rank 0 of every replica holds its share of the loss
+            if not (loss_stage.rank == spec.pp_rank and spec.tp_rank == 0 and spec.cp_rank == 0):
                 loss.zero_()
             # in flight while gradients sync and the optimizer steps
             work = dist_calls.all_reduce(loss, async_op=True)
@@ -85,7 +85,7 @@ def gather_outputs(result: CompileResult, out, spec: MeshSpec, m: int, device: t
         val = stage.output_val(stage.final[j])
         shape = (val.shape[0] * m * spec.replicas, *val.shape[1:]) if val.dim() > 0 else ()
         full = torch.zeros(shape, dtype=val.dtype, device=device)
-        if stage.rank == spec.pp_rank and spec.tp_rank == 0:
+        if stage.rank == spec.pp_rank and spec.tp_rank == 0 and spec.cp_rank == 0:
             parts = [out.outputs[i][j] for i in range(m)]
             if val.dim() > 0:
                 n = val.shape[0] * m

@@ -1,10 +1,15 @@
 """``MeshSpec``: the device mesh as pure data (degrees, axis names, rank <-> coordinates, group names).
 
-A mesh of ``dp x ep x pp x tp`` ranks, tensor parallel innermost: ``rank = ((dp_rank * ep + ep_rank) * pp +
-pp_rank) * tp + tp_rank``. Expert parallelism (``Plan(ep=N)``) is carved out of data parallelism: the
+A mesh of ``dp x ep x pp x cp x tp`` ranks, tensor parallel innermost: ``rank = (((dp_rank * ep + ep_rank) * pp +
+pp_rank) * cp + cp_rank) * tp + tp_rank``. Expert parallelism (``Plan(ep=N)``) is carved out of data parallelism: the
 ``dp x ep`` ranks of one pipeline and TP position are the data replicas (replica ``dp_rank * ep + ep_rank``
 takes that slice of the batch); the ``ep`` ranks of one dp replica split each MoE layer's experts and
 exchange tokens by all-to-all. With ``ep=1`` the layout is the ``dp x pp x tp`` one it always was.
+
+Context parallelism (``Plan(cp=N)``) splits each sequence over the ``cp`` ranks next to TP: they share their
+replica's slice of the batch, each holds its own chunks of every sequence, and parameters are replicated over
+them, so gradients reduce, and ZeRO shards, over the ``dp x cp`` ranks of one pipeline and TP position
+(torchtitan's ``dp_shard_cp``): :meth:`MeshSpec.grad_ranks`, and :meth:`MeshSpec.shard_ranks` with ``cp > 1``.
 
 HSDP (``Plan(dp_replicate=R)``, with ZeRO) splits the dp coordinate into ``dp_rank = replicate_rank *
 dp_shard + shard_rank`` (torchtitan's ``(dp_replicate, dp_shard)`` order, replicas outermost): the
@@ -33,12 +38,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-AXES = ("dp", "ep", "pp", "tp")  # outermost first
+AXES = ("dp", "ep", "pp", "cp", "tp")  # outermost first
 
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Degrees of a ``dp x ep x pp x tp`` mesh and the rank this process stands for."""
+    """Degrees of a ``dp x ep x pp x cp x tp`` mesh and the rank this process stands for."""
 
     dp: int = 1
     pp: int = 1
@@ -46,34 +51,36 @@ class MeshSpec:
     rank: int = 0
     ep: int = 1
     dp_replicate: int = 1  # HSDP: copies of the ZeRO-sharded state, each over dp / dp_replicate ranks
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
 
     def __post_init__(self):
         for axis in (*AXES, "dp_replicate"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"MeshSpec.{axis}={getattr(self, axis)}: must be >= 1")
-        if self.dp % self.dp_replicate or (self.dp_replicate > 1 and self.ep > 1):
-            raise ValueError(f"MeshSpec.dp_replicate={self.dp_replicate}: must divide dp={self.dp}, with ep=1")
+        if self.dp % self.dp_replicate or (self.dp_replicate > 1 and (self.ep > 1 or self.cp > 1)):
+            raise ValueError(f"MeshSpec.dp_replicate={self.dp_replicate}: must divide dp={self.dp}, with ep=cp=1")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"MeshSpec.rank={self.rank}: the mesh has {self.world_size} ranks")
 
     @classmethod
     def for_plan(cls, plan, rank: int = 0) -> MeshSpec:
         return cls(dp=plan.dp, pp=plan.pp, tp=plan.tp, rank=rank, ep=getattr(plan, "ep", 1),
-                   dp_replicate=getattr(plan, "dp_replicate", 1))
+                   dp_replicate=getattr(plan, "dp_replicate", 1), cp=getattr(plan, "cp", 1))
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.ep * self.pp * self.tp
+        return self.dp * self.ep * self.pp * self.cp * self.tp
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The mesh's degrees, outermost first: ``(dp, pp, tp)``, or ``(dp, ep, pp, tp)`` with ep > 1."""
-        return (self.dp, self.ep, self.pp, self.tp) if self.ep > 1 else (self.dp, self.pp, self.tp)
+        """The mesh's degrees, outermost first: ``(dp, pp, tp)``, with ``ep`` after dp where ep > 1 and
+        ``cp`` before tp where cp > 1."""
+        return tuple(self.size(a) for a in self.axes)
 
     @property
     def axes(self) -> tuple[str, ...]:
         """The names of :attr:`shape`'s dimensions."""
-        return AXES if self.ep > 1 else ("dp", "pp", "tp")
+        return tuple(a for a in AXES if a in ("dp", "pp", "tp") or self.size(a) > 1)
 
     @property
     def replicas(self) -> int:
@@ -92,13 +99,16 @@ class MeshSpec:
     def coords(self, rank: int | None = None) -> dict[str, int]:
         """``{"dp": d, "pp": p, "tp": t}`` of ``rank`` (default: this rank), and ``"ep": e`` when ep > 1."""
         r = self.rank if rank is None else rank
-        out = {"dp": r // (self.ep * self.pp * self.tp), "pp": (r // self.tp) % self.pp, "tp": r % self.tp}
+        inner = self.cp * self.tp
+        out = {"dp": r // (self.ep * self.pp * inner), "pp": (r // inner) % self.pp, "tp": r % self.tp}
         if self.ep > 1:
-            out["ep"] = (r // (self.pp * self.tp)) % self.ep
+            out["ep"] = (r // (self.pp * inner)) % self.ep
+        if self.cp > 1:
+            out["cp"] = (r // self.tp) % self.cp
         return out
 
-    def rank_of(self, dp: int = 0, pp: int = 0, tp: int = 0, ep: int = 0) -> int:
-        return ((dp * self.ep + ep) * self.pp + pp) * self.tp + tp
+    def rank_of(self, dp: int = 0, pp: int = 0, tp: int = 0, ep: int = 0, cp: int = 0) -> int:
+        return (((dp * self.ep + ep) * self.pp + pp) * self.cp + cp) * self.tp + tp
 
     @property
     def dp_rank(self) -> int:
@@ -116,8 +126,10 @@ class MeshSpec:
     def ep_rank(self) -> int:
         return self.coords().get("ep", 0)
 
+    cp_rank = property(lambda self: self.coords().get("cp", 0))
+
     def with_rank(self, rank: int) -> MeshSpec:
-        return MeshSpec(self.dp, self.pp, self.tp, rank, self.ep, self.dp_replicate)
+        return MeshSpec(self.dp, self.pp, self.tp, rank, self.ep, self.dp_replicate, self.cp)
 
     # ---- groups -----------------------------------------------------------------------------------
     def axis_ranks(self, axis: str, rank: int | None = None) -> list[int]:
@@ -125,6 +137,7 @@ class MeshSpec:
         axis = _axis(axis)
         c = self.coords(rank)
         c.setdefault("ep", 0)
+        c.setdefault("cp", 0)
         out = []
         for i in range(self.size(axis)):
             c[axis] = i
@@ -152,16 +165,39 @@ class MeshSpec:
             return self.group_name("dp", rank)
         return "dpep:" + ",".join(map(str, self.replica_ranks(rank)))
 
+    # ---- gradients: every rank holding the same parameters (the replicas, and cp inside each) ------------
+    @property
+    def grad_size(self) -> int:
+        """Ranks a dense parameter's gradient reduces over: ``dp * ep * cp``."""
+        return self.replicas * self.cp
+
+    @property
+    def grad_rank(self) -> int:
+        """This rank's place in :meth:`grad_ranks`."""
+        return self.replica_rank * self.cp + self.cp_rank
+
+    def grad_ranks(self, rank: int | None = None) -> list[int]:
+        """Global ranks of ``rank``'s dense-gradient group: its replicas and, in each, every cp rank."""
+        c = self.coords(rank)
+        return [self.rank_of(d, c["pp"], c["tp"], e, k) for d in range(self.dp) for e in range(self.ep)
+                for k in range(self.cp)]
+
+    def grad_group_name(self, rank: int | None = None) -> str:
+        """The name of :meth:`grad_ranks`' group: :meth:`replica_group_name` without cp, else ``"dpcp:..."``."""
+        if self.cp == 1:
+            return self.replica_group_name(rank)
+        return "dpcp:" + ",".join(map(str, self.grad_ranks(rank)))
+
     # ---- HSDP: the dp axis as (dp_replicate, dp_shard) ---------------------------------------------
     @property
     def dp_shard(self) -> int:
-        """Ranks a ZeRO shard group spans: ``dp / dp_replicate`` (``dp`` without HSDP)."""
-        return self.dp // self.dp_replicate
+        """Ranks a ZeRO shard group spans: ``dp / dp_replicate`` (``dp`` without HSDP), times ``cp``."""
+        return self.dp // self.dp_replicate * self.cp
 
     @property
     def dp_shard_rank(self) -> int:
         """This rank's place in its shard group: which slice of each ZeRO bucket it holds."""
-        return self.dp_rank % self.dp_shard
+        return self.dp_rank % (self.dp // self.dp_replicate) * self.cp + self.cp_rank
 
     @property
     def dp_replicate_rank(self) -> int:
@@ -169,19 +205,25 @@ class MeshSpec:
         return self.dp_rank // self.dp_shard
 
     def shard_ranks(self, rank: int | None = None) -> list[int]:
-        """Global ranks of ``rank``'s shard group (same replica, pp and tp coordinates), in order."""
+        """Global ranks of ``rank``'s shard group (same replica, pp and tp coordinates; every cp rank), in order."""
+        if self.cp > 1:
+            return self.grad_ranks(rank)
         c = self.coords(rank)
         first = c["dp"] // self.dp_shard * self.dp_shard
         return [self.rank_of(first + s, c["pp"], c["tp"]) for s in range(self.dp_shard)]
 
     def replicate_ranks(self, rank: int | None = None) -> list[int]:
         """Global ranks holding the same ZeRO shards as ``rank`` (its copies across replicas), in order."""
+        if self.dp_replicate == 1:
+            return [self.rank if rank is None else rank]
         c = self.coords(rank)
         s = c["dp"] % self.dp_shard
         return [self.rank_of(r * self.dp_shard + s, c["pp"], c["tp"]) for r in range(self.dp_replicate)]
 
     def shard_group_name(self, rank: int | None = None) -> str:
         """The group ZeRO shards over: ``group_name("dp")`` without HSDP, else ``"dp_shard:<ranks>"``."""
+        if self.cp > 1:
+            return self.grad_group_name(rank)
         if self.dp_replicate == 1:
             return self.group_name("dp", rank)
         return "dp_shard:" + ",".join(map(str, self.shard_ranks(rank)))
@@ -196,6 +238,7 @@ class MeshSpec:
 
     def __str__(self) -> str:
         ep = f" x ep={self.ep}" if self.ep > 1 else ""
+        ep += f" x cp={self.cp}" if self.cp > 1 else ""
         ep += f" (dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard})" if self.dp_replicate > 1 else ""
         return f"mesh dp={self.dp}{ep} x pp={self.pp} x tp={self.tp} (rank {self.rank}: {self.coords()})"
 

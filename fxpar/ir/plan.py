@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 
 from fxpar.ir.errors import PlanError
+from fxpar.ir.plan_checks import check_combinations, check_hsdp
 from fxpar.ir.resolved import resolve
 from fxpar.ir.schedule import normalize_schedule
 
@@ -94,6 +95,11 @@ class Plan:
     """Expert-parallel ranks, carved out of data parallelism: each MoE layer's experts are split over them
     (rank e holds experts ``[e * E / ep, (e + 1) * E / ep)``), tokens travel to their experts' rank by
     all-to-all; every one of the ``dp x ep`` replicas takes its own slice of the batch (docs/expert_parallel.md)."""
+    cp: int = 1
+    """Context-parallel ranks: each token input's sequence is split over them (two chunks per rank, one from
+    the head and one from the tail, so causal attention is balanced), attention gathers each layer's keys and
+    values over them; they share their replica's slice of the batch, and gradients reduce (ZeRO shards) over
+    ``dp x cp`` (docs/context_parallel.md)."""
 
     def __post_init__(self):
         if isinstance(self.tp_replicate, (list, str)):  # a list from JSON / Python, one glob as a string
@@ -104,7 +110,7 @@ class Plan:
             normalize_schedule(self.schedule)
         except PlanError as e:
             raise PlanError(f"Plan.schedule={self.schedule!r}: {e}") from None
-        for name in ("dp", "pp", "tp", "ep", "dp_replicate"):
+        for name in ("dp", "pp", "tp", "ep", "cp", "dp_replicate"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise PlanError(f"Plan.{name}={v!r}: must be an integer >= 1")
@@ -123,9 +129,9 @@ class Plan:
             raise PlanError(f"Plan.virtual_stages={self.virtual_stages!r}: must be an integer >= 1")
         if self.compile not in (None, True, False):
             raise PlanError(f"Plan.compile={self.compile!r}: use True, False or leave it out (None: on for CUDA)")
-        _check_combinations(self)
+        check_combinations(self)
         if self.dp_replicate > 1:
-            _check_hsdp(self)
+            check_hsdp(self)
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"Plan.recompute={self.recompute!r}: use one of {RECOMPUTE}")
         for fqn, where in (self.split_points or {}).items():
@@ -134,7 +140,7 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.ep * self.pp * self.tp
+        return self.dp * self.ep * self.pp * self.cp * self.tp
 
     @property
     def dp_shard(self) -> int:
@@ -218,29 +224,6 @@ class Plan:
         if unknown:
             raise PlanError(f"plan file {path}: " + "; ".join(_unknown(k, _types()) for k in unknown))
         return cls(**{k: field_value(k, v, f"plan file {path}") for k, v in data.items()})
-
-
-def _check_combinations(plan: Plan) -> None:
-    """The fields that need others: int8 communication, collective matmul, expert parallelism."""
-    if plan.comm_dtype not in (None, "int8"):
-        raise PlanError(f"Plan.comm_dtype={plan.comm_dtype!r}: use 'int8' or leave it out")
-    if plan.comm_dtype is not None and plan.zero != 3:
-        raise PlanError(f"Plan.comm_dtype={plan.comm_dtype!r} quantizes ZeRO-3's parameter gathers; "
-                        f"zero={plan.zero} has none: use zero=3")
-    if plan.quantize_grads and plan.comm_dtype is None:
-        raise PlanError("Plan.quantize_grads=True needs comm_dtype='int8' (and zero=3)")
-    if not isinstance(plan.collective_matmul, int) or plan.collective_matmul < 0 \
-            or plan.collective_matmul == 1:
-        raise PlanError(f"Plan.collective_matmul={plan.collective_matmul!r}: use 0 (off) or a chunk count >= 2")
-    if plan.collective_matmul and not plan.sequence_parallel:
-        raise PlanError(f"Plan.collective_matmul={plan.collective_matmul} overlaps sequence-parallel "
-                        "all-gathers and reduce-scatters with matmuls: set sequence_parallel=True and tp > 1")
-    if plan.ep > 1 and plan.tp > 1:
-        raise PlanError(f"Plan(ep={plan.ep}, tp={plan.tp}): expert parallelism does not compose with tensor "
-                        "parallelism yet (fxpar/passes/expert_parallel.py); use ep with dp and pp, or tp alone")
-    if plan.ep > 1 and plan.zero == 3:
-        raise PlanError(f"Plan(ep={plan.ep}, zero=3): ZeRO-3 would shard the experts' slices again over dp "
-                        "(fxpar/passes/expert_parallel.py does not compose with zero3); use zero=0, 1 or 2")
 
 
 @functools.cache
@@ -380,21 +363,3 @@ def check_types(plan: Plan) -> None:
             isinstance(k, str) and isinstance(v, str) for k, v in tp_plan.items())):
         raise PlanError(f"Plan.tp_plan={tp_plan!r}: use 'auto' or a table of {{module glob: style}} "
                         "(e.g. {'model.layers.*.mlp.up_proj': 'colwise'})")
-
-
-def _check_hsdp(plan: Plan) -> None:
-    """``dp_replicate > 1`` (HSDP): a divisor of dp, with ZeRO, without expert parallelism."""
-    r, dp = plan.dp_replicate, plan.dp
-    if dp % r:
-        fits = [d for d in range(2, dp + 1) if dp % d == 0]
-        raise PlanError(f"Plan(dp={dp}, dp_replicate={r}): dp_replicate copies of the sharded state need "
-                        f"dp_replicate to divide dp (shard groups of dp / dp_replicate ranks); use dp_replicate in "
-                        f"{fits or [1]} or a dp that {r} divides")
-    if plan.zero == 0:
-        raise PlanError(f"Plan(dp={dp}, dp_replicate={r}, zero=0): without ZeRO every dp rank is a replica "
-                        "already (nothing is sharded); use zero=1, 2 or 3 with dp_replicate, or leave dp_replicate=1")
-    if plan.ep > 1:
-        raise PlanError(f"Plan(dp={dp}, dp_replicate={r}, ep={plan.ep}): HSDP does not compose with expert "
-                        "parallelism (expert slices reduce over dp, dense parameters over dp x ep); use "
-                        "dp_replicate=1 with ep, or ep=1 with dp_replicate")
-

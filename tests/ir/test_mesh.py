@@ -38,7 +38,7 @@ def test_bad_mesh_is_refused():
     with pytest.raises(ValueError, match="rank=8"):
         MeshSpec(dp=2, tp=4, rank=8)
     with pytest.raises(ValueError, match="unknown mesh axis"):
-        MeshSpec().group_name("cp")
+        MeshSpec().group_name("sp")
 
 
 def test_hsdp_splits_dp_into_replicas_of_neighbouring_shard_groups():

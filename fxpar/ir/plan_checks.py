@@ -1,0 +1,58 @@
+"""The checks of :class:`fxpar.ir.plan.Plan` that tie several fields together (each a PlanError naming the
+fields, the numbers and the fix). Reads a plan; writes nothing."""
+
+from __future__ import annotations
+
+from fxpar.ir.errors import PlanError
+
+
+def check_combinations(plan) -> None:
+    """The fields that need others: int8 communication, collective matmul, expert parallelism."""
+    if plan.comm_dtype not in (None, "int8"):
+        raise PlanError(f"Plan.comm_dtype={plan.comm_dtype!r}: use 'int8' or leave it out")
+    if plan.comm_dtype is not None and plan.zero != 3:
+        raise PlanError(f"Plan.comm_dtype={plan.comm_dtype!r} quantizes ZeRO-3's parameter gathers; "
+                        f"zero={plan.zero} has none: use zero=3")
+    if plan.quantize_grads and plan.comm_dtype is None:
+        raise PlanError("Plan.quantize_grads=True needs comm_dtype='int8' (and zero=3)")
+    if not isinstance(plan.collective_matmul, int) or plan.collective_matmul < 0 \
+            or plan.collective_matmul == 1:
+        raise PlanError(f"Plan.collective_matmul={plan.collective_matmul!r}: use 0 (off) or a chunk count >= 2")
+    if plan.collective_matmul and not plan.sequence_parallel:
+        raise PlanError(f"Plan.collective_matmul={plan.collective_matmul} overlaps sequence-parallel "
+                        "all-gathers and reduce-scatters with matmuls: set sequence_parallel=True and tp > 1")
+    if plan.ep > 1 and plan.tp > 1:
+        raise PlanError(f"Plan(ep={plan.ep}, tp={plan.tp}): expert parallelism does not compose with tensor "
+                        "parallelism yet (fxpar/passes/expert_parallel.py); use ep with dp and pp, or tp alone")
+    if plan.ep > 1 and plan.zero == 3:
+        raise PlanError(f"Plan(ep={plan.ep}, zero=3): ZeRO-3 would shard the experts' slices again over dp "
+                        "(fxpar/passes/expert_parallel.py does not compose with zero3); use zero=0, 1 or 2")
+    if plan.cp > 1:
+        _check_cp(plan)
+
+
+def _check_cp(plan) -> None:
+    """Context parallelism composes with dp and ZeRO; tp, pp, ep and HSDP with it are not built yet."""
+    others = {k: getattr(plan, k) for k in ("tp", "pp", "ep", "dp_replicate") if getattr(plan, k) > 1}
+    if others:
+        listed = ", ".join(f"{k}={v}" for k, v in others.items())
+        raise PlanError(f"Plan(cp={plan.cp}, {listed}): context parallelism composes with dp and ZeRO so far "
+                        f"(fxpar/passes/context_parallel.py); use cp with dp (and zero), or set {listed} to 1")
+
+
+def check_hsdp(plan) -> None:
+    """``dp_replicate > 1`` (HSDP): a divisor of dp, with ZeRO, without expert parallelism."""
+    r, dp = plan.dp_replicate, plan.dp
+    if dp % r:
+        fits = [d for d in range(2, dp + 1) if dp % d == 0]
+        raise PlanError(f"Plan(dp={dp}, dp_replicate={r}): dp_replicate copies of the sharded state need "
+                        f"dp_replicate to divide dp (shard groups of dp / dp_replicate ranks); use dp_replicate in "
+                        f"{fits or [1]} or a dp that {r} divides")
+    if plan.zero == 0:
+        raise PlanError(f"Plan(dp={dp}, dp_replicate={r}, zero=0): without ZeRO every dp rank is a replica "
+                        "already (nothing is sharded); use zero=1, 2 or 3 with dp_replicate, or leave dp_replicate=1")
+    if plan.ep > 1:
+        raise PlanError(f"Plan(dp={dp}, dp_replicate={r}, ep={plan.ep}): HSDP does not compose with expert "
+                        "parallelism (expert slices reduce over dp, dense parameters over dp x ep); use "
+                        "dp_replicate=1 with ep, or ep=1 with dp_replicate")
+

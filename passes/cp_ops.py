@@ -1,0 +1,247 @@
+"""The context-parallel rule of each op: how the sequence dim moves through it and what the op needs cut,
+gathered or summed (:class:`fxpar.passes.cp_rewriter.Rewriter` holds the states and the building blocks). A
+new op's rule is one function here and one entry of :func:`rule_for`.
+
+Each rule is ``rule(rw, node, op)``: it reads its inputs' states in ``rw.state``, rewrites ``node``'s inputs
+or arguments where needed, and sets ``rw.state[node]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from fxpar.ir import meta
+from fxpar.ir.op_classes import is_pointwise
+from fxpar.passes.cp_rules import (
+    DIM_REDUCTIONS,
+    NORMS,
+    PARTIAL,
+    PRODUCTS,
+    RESHAPING,
+    SAME,
+    SDPA,
+    SIZED,
+    Sh,
+    packet,
+    seq_dim_after,
+    shape_of,
+    tensor_args,
+)
+
+aten = torch.ops.aten
+fxpar_ops = torch.ops.fxpar
+VIEWS = RESHAPING | SIZED | {aten.transpose, aten.permute, aten.t, aten.slice, aten.select}
+
+
+def rule_for(node: torch.fx.Node, op):
+    """The rule of ``node`` (an op ``op``), or None: its sharded inputs are gathered."""
+    if op is SDPA:
+        return attention
+    if op is aten.cross_entropy_loss:
+        return cross_entropy
+    if op in VIEWS:
+        return view
+    if op is aten.linear:
+        return linear
+    if op in PRODUCTS:
+        return product
+    if op in NORMS or op in DIM_REDUCTIONS:
+        return reduction
+    if op in SAME or is_pointwise(node):
+        return pointwise
+    if op is aten.cat:
+        return concat
+    return None
+
+
+def view(rw, node, op) -> None:
+    x = node.args[0]
+    s = rw.input_state(node, x)
+    if s is None:
+        return
+    src, dst, nd = shape_of(x), shape_of(node), len(shape_of(x))
+    out = None
+    if op in RESHAPING:
+        out = seq_dim_after(src, s.dim, s.outer, dst, rw.l.seq)
+    elif op is aten.expand:
+        out = Sh(s.dim + len(dst) - nd, s.outer)
+    elif op in (aten.transpose, aten.t):
+        a, b = (node.args[1] % nd, node.args[2] % nd) if op is aten.transpose else (0, 1)
+        out = Sh(b if s.dim == a else a if s.dim == b else s.dim, s.outer)
+    elif op is aten.permute:
+        out = Sh([p % nd for p in node.args[1]].index(s.dim), s.outer)
+    elif (node.args[1] if len(node.args) > 1 else 0) % nd != s.dim:  # slice / select on another dim
+        out = Sh(s.dim - (op is aten.select and node.args[1] % nd < s.dim), s.outer)
+    if out is None:
+        return rw.fallback(node)
+    if op in SIZED:
+        node.update_arg(1, rw.local_shape(node, out))
+    rw.state[node] = out
+
+def pointwise(rw, node, op) -> None:
+    xs = dict.fromkeys(tensor_args(node))
+    partial = [x for x in xs if rw.state.get(x) == PARTIAL]
+    if partial:
+        return partial_arith(rw, node, op, xs)
+    nd = len(shape_of(node) or ())
+    sh = [(x, rw.state[x]) for x in xs if isinstance(rw.state.get(x), Sh)]
+    x0, s0 = sh[0]
+    want = Sh(s0.dim + nd - len(shape_of(x0)), s0.outer)
+    if not rw.aligned(node, want):
+        return rw.fallback(node)
+    rw.state[node] = want
+
+def partial_arith(rw, node, op, xs) -> None:
+    """A partial sum times or over a whole value stays partial, as does a sum of partials; a whole value
+    added to a partial one is split evenly over the ranks; anything else sums the partials first."""
+    states = {x: rw.state.get(x) for x in xs}
+    if op in (aten.mul, aten.div) and all(s in (None, PARTIAL) for s in states.values()) and \
+            (op is aten.mul or states.get(node.args[1]) is None) and \
+            sum(s == PARTIAL for s in states.values()) == 1:
+        rw.state[node] = PARTIAL
+    elif op in (aten.add, aten.sub) and all(s in (None, PARTIAL) for s in states.values()):
+        for x, s in states.items():
+            if s is None:
+                with rw.g.inserting_before(node):
+                    node.replace_input_with(x, rw.call(aten.div.Tensor, x, rw.l.cp))
+        rw.state[node] = PARTIAL
+    else:
+        rw.fallback(node)
+
+def linear(rw, node, op=None) -> None:
+    s = rw.input_state(node, node.args[0])
+    if not isinstance(s, Sh) or s.dim == len(shape_of(node.args[0])) - 1 or \
+            any(rw.state.get(a) is not None for a in node.args[1:]):
+        return rw.fallback(node)
+    rw.state[node] = s
+
+def product(rw, node, op=None) -> None:
+    a, b = node.args[:2] if packet(node) is not aten.baddbmm else node.args[1:3]
+    rw.whole(node, b)  # keys (or values) not gathered at a root: gathered here
+    s = rw.input_state(node, a)
+    nd_a = len(shape_of(a))
+    if not isinstance(s, Sh) or s.dim == nd_a - 1:
+        return rw.fallback(node)
+    rw.state[node] = Sh(s.dim + len(shape_of(node)) - nd_a, s.outer)
+
+def reduction(rw, node, op) -> None:
+    x = node.args[0]
+    s = rw.input_state(node, x)
+    nd = len(shape_of(x))
+    if op in NORMS:
+        dims, keep = list(range(nd - len(node.args[1]), nd)), True
+    else:
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", list(range(nd)))
+        dims = [dims] if isinstance(dims, int) else list(dims or range(nd))
+        keep = op in (aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.cumsum) or \
+            (len(node.args) > 2 and node.args[2] is True) or node.kwargs.get("keepdim", False)
+    dims = [d % nd for d in dims]
+    if isinstance(s, Sh) and s.dim in dims and op in (aten.sum, aten.mean):
+        return partial_sum(rw, node, op)
+    if not isinstance(s, Sh) or s.dim in dims:
+        return rw.fallback(node)
+    out = Sh(s.dim if keep else s.dim - sum(d < s.dim for d in dims), s.outer)
+    vals = node.meta.get(meta.VAL)
+    rw.state[node] = tuple(out for _ in vals) if isinstance(vals, (tuple, list)) else out
+
+def partial_sum(rw, node, op) -> None:
+    """A sum over the sequence is this rank's part of it; a mean, this rank's mean over cp."""
+    rw.state[node] = PARTIAL
+    if op is aten.mean:
+        with rw.g.inserting_before(node.next):
+            part = rw.call(aten.div.Tensor, node, rw.l.cp)
+        node.replace_all_uses_with(part, delete_user_cb=lambda u: u is not part)
+        rw.state[part] = PARTIAL
+
+def concat(rw, node, op=None) -> None:
+    xs = node.args[0]
+    sh = [rw.state.get(x) for x in xs if isinstance(rw.state.get(x), Sh)]
+    nd = len(shape_of(node))
+    dim = (node.args[1] if len(node.args) > 1 else 0) % nd
+    if any(rw.state.get(x) == PARTIAL for x in xs) or len(set(sh)) != 1 or sh[0].dim == dim or \
+            not rw.aligned(node, sh[0]):
+        return rw.fallback(node)
+    rw.state[node] = sh[0]
+
+def attention(rw, node, op=None) -> None:
+    """This rank's query rows against every key: the keys and values whole (gathered at their root, or
+    here), the mask's rows for this rank, ``is_causal`` as this rank's causal mask."""
+    names = ("attn_mask", "dropout_p", "is_causal")
+    defaults = list(zip(names, (None, 0.0, False)))[len(node.args) - 3:]
+    node.args = tuple(node.args) + tuple(node.kwargs.get(n, d) for n, d in defaults)
+    node.kwargs = {k_: v_ for k_, v_ in node.kwargs.items() if k_ not in names}
+    q, k, v = node.args[:3]
+    rw.whole(node, k)
+    rw.whole(node, v)
+    s = rw.input_state(node, q)
+    nd = len(shape_of(q))
+    if not isinstance(s, Sh) or s.dim != nd - 2:
+        return rw.fallback(node)
+    args = list(node.args)
+    mask, causal = args[3], args[5]
+    if isinstance(mask, torch.fx.Node) and rw.state.get(mask) is None and \
+            shape_of(mask)[-2] == s.outer * rw.l.seq:
+        with rw.g.inserting_before(node):
+            args[3] = rw.cut(mask, len(shape_of(mask)) - 2, s.outer)
+    elif isinstance(mask, torch.fx.Node) and rw.state.get(mask) is not None:
+        return rw.fallback(node)
+    if causal:
+        with rw.g.inserting_before(node):
+            args[3] = causal_mask(rw, q)
+        args[5] = False
+    node.args = tuple(args)
+    rw.state[node] = s
+    rw.res.attention.append(node.name)
+
+def causal_mask(rw, q) -> torch.fx.Node:
+    """``[2c, seq]`` booleans: query position (this rank's rows) >= key position (built once, before the
+    first attention, which comes before every later one)."""
+    device = q.meta[meta.VAL].device
+    if ("causal", device) not in rw.cuts:
+        rows = [rw.call(aten.arange.start, a, b, device=device) for a, b in rw.l.ranges()]
+        qpos = rw.call(aten.unsqueeze.default, rw.call(aten.cat.default, rows), 1)
+        kpos = rw.call(aten.unsqueeze.default, rw.call(aten.arange.default, rw.l.seq, device=device), 0)
+        rw.cuts[("causal", device)] = rw.call(aten.ge.Tensor, qpos, kpos)
+    return rw.cuts[("causal", device)]
+
+def cross_entropy(rw, node, op=None) -> None:
+    """Logits sharded, targets cut to match; a mean becomes this rank's sum over the whole count."""
+    x, target = node.args[:2]
+    s = rw.input_state(node, x)
+    rest = list(node.args[2:]) + [None, 1, -100, 0.0][len(node.args) - 2:]
+    weight, reduction, ignore = rest[0], rest[1], rest[2]
+    if not isinstance(s, Sh) or s.dim != 0 or weight is not None or rw.state.get(target) is not None:
+        return rw.fallback(node)
+    with rw.g.inserting_before(node):
+        count = None
+        if reduction == 1:
+            valid = rw.call(aten.ne.Scalar, target, ignore)
+            count = rw.call(aten.sum.default, valid)
+        node.replace_input_with(target, rw.cut(target, 0, s.outer))
+    if reduction == 0:
+        rw.state[node] = s
+        return
+    rest[1] = 2
+    node.args = (node.args[0], node.args[1], *rest)
+    rw.state[node] = PARTIAL
+    if count is not None:
+        with rw.g.inserting_before(node.next):
+            mean = rw.call(aten.div.Tensor, node, count)
+        node.replace_all_uses_with(mean, delete_user_cb=lambda u: u is not mean)
+        rw.state[mean] = PARTIAL
+
+def outputs(rw, node, keep: set[int] | None) -> None:
+    """Partial outputs summed (the loss); sharded ones gathered where kept, else left this rank's rows."""
+    outs = list(node.args[0])
+    for i, x in enumerate(outs):
+        if not isinstance(x, torch.fx.Node) or rw.state.get(x) is None:
+            continue
+        s = rw.state[x]
+        if s == PARTIAL:  # each rank's backward starts from its own part (its gradient sums over cp)
+            with rw.g.inserting_before(node):
+                outs[i] = rw.call(fxpar_ops.all_reduce.default, x, rw.l.group, "sum")
+        elif keep is not None and i in keep:
+            with rw.g.inserting_before(node):
+                outs[i] = rw.gather(x, s)
+    node.args = (type(node.args[0])(outs),)

@@ -1,0 +1,142 @@
+"""Context parallelism's vocabulary: the sequence's layout over the cp ranks, a value's state, the op sets the
+rules (:mod:`fxpar.passes.cp_ops`) dispatch on, and the analysis that places the key/value gathers
+(:mod:`fxpar.passes.context_parallel` says what the pass does and why). Reads graphs; writes nothing.
+
+A value's state is None (whole: the same on every cp rank), a :class:`Sh` (this rank's chunks of the
+sequence along ``dim``; ``outer`` counts the blocks merged in front of the sequence in that dim, as a
+``[batch * seq]`` flattening has ``batch``) or :data:`PARTIAL` (this rank's part of a sum over the sequence).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from fxpar.ir import meta
+
+aten = torch.ops.aten
+fxpar_ops = torch.ops.fxpar
+PARTIAL = "partial"
+
+# ops whose output is the input's data rearranged: the sequence dim is found again by element arithmetic
+RESHAPING = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unsqueeze, aten.squeeze}
+SIZED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}  # whose second argument is the output's shape
+SAME = {aten.clone, aten.contiguous, aten.alias, aten.detach, aten._to_copy, aten.to, aten.type_as,
+        aten.lift_fresh_copy, aten.dropout, aten.masked_fill, aten.where, aten.zeros_like, aten.ones_like,
+        aten.empty_like, aten.full_like}  # elementwise in effect, broadcasting like pointwise ops
+WHOLE_FACTORIES = {aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full}  # shape from arguments
+PRODUCTS = {aten.matmul, aten.bmm, aten.mm, aten.baddbmm}
+SDPA = aten.scaled_dot_product_attention
+# on the path from a projection to attention, before the grouped-query expansion: keys and values are
+# gathered at the top of such a chain, so each KV head crosses the group once
+CHAIN = RESHAPING | {aten.expand, aten.transpose, aten.permute, aten.clone, aten.contiguous, aten.alias,
+                     aten._to_copy, aten.to}
+NORMS = {aten.native_layer_norm, aten.layer_norm, aten.rms_norm, aten._fused_rms_norm}
+DIM_REDUCTIONS = {aten.mean, aten.sum, aten.amax, aten.amin, aten.softmax, aten._softmax, aten.log_softmax,
+                  aten._log_softmax, aten.var, aten.std, aten.cumsum, aten.argmax, aten.any, aten.all}
+
+
+def packet(node: torch.fx.Node):
+    return getattr(node.target, "overloadpacket", None)
+
+
+def shape_of(node) -> tuple | None:
+    v = node.meta.get(meta.VAL) if isinstance(node, torch.fx.Node) else None
+    return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def user_input_of(node, program) -> torch.fx.Node | None:
+    """The user-input placeholder ``node`` is (through views), else None."""
+    bound = {b.placeholder: b for b in program.inputs}
+    while isinstance(node, torch.fx.Node):
+        if node.op == "placeholder":
+            b = bound.get(node.name)
+            return node if b is not None and b.kind == "user" else None
+        if node.op != "call_function" or packet(node) not in RESHAPING | SAME:
+            return None
+        node = node.args[0]
+    return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The sequence's cut: ``2 * cp`` chunks; rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``."""
+
+    seq: int
+    cp: int
+    rank: int
+    group: str
+
+    @property
+    def chunk(self) -> int:
+        return self.seq // (2 * self.cp)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """This rank's rows of the sequence, head chunk first."""
+        c, r, n = self.chunk, self.rank, self.cp
+        return [(r * c, (r + 1) * c), ((2 * n - 1 - r) * c, (2 * n - r) * c)]
+
+    def natural_order(self) -> list[int]:
+        """For each chunk of the sequence in order, where it sits in a gather (rank-major, head then tail)."""
+        n = self.cp
+        return [2 * k if k < n else 2 * (2 * n - 1 - k) + 1 for k in range(2 * n)]
+
+
+@dataclass(frozen=True)
+class Sh:
+    """Sharded along ``dim``, whose whole size is ``outer * seq`` (the sequence innermost in it)."""
+
+    dim: int
+    outer: int = 1
+
+
+def seq_dim_after(src: tuple, d: int, outer: int, dst: tuple, seq: int) -> Sh | None:
+    """Where the sequence factor of dim ``d`` of ``src`` lands in ``dst`` (a reshape of the same elements):
+    the dim whose inner elements equal the sequence factor's, with the sequence innermost in it."""
+    after, before = math.prod(src[d + 1:]), math.prod(src[:d]) * outer
+    for j, size in enumerate(dst):
+        if math.prod(dst[j + 1:]) == after and size % seq == 0 and math.prod(dst[:j]) * (size // seq) == before:
+            return Sh(j, size // seq)
+    return None
+
+
+def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    out = []
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda a: out.append(a) if isinstance(a, torch.fx.Node) else None)
+    return out
+
+
+def kv_roots(gm: torch.fx.GraphModule, program) -> dict[torch.fx.Node, list[tuple[torch.fx.Node, int]]]:
+    """Where each attention's keys and values are gathered: node -> (reader, argument position) of each
+    reader of the gathered value. Found on the graph's taint by the token ids (what the embedding of a user
+    input feeds), walking up from each key/value operand through :data:`CHAIN` ops that feed only the next
+    one (so the gather comes before any grouped-query expansion)."""
+    tainted: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if (packet(n) is aten.embedding and user_input_of(n.args[1], program) is not None) or \
+                any(a in tainted for a in tensor_args(n)):
+            tainted.add(n)
+    roots: dict[torch.fx.Node, list[tuple[torch.fx.Node, int]]] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if packet(n) is SDPA:
+            operands = [1, 2]
+        elif packet(n) in PRODUCTS and all(a in tainted for a in n.args[:2] if isinstance(a, torch.fx.Node)):
+            operands = [1]
+        else:
+            continue
+        for pos in operands:
+            o = n.args[pos]
+            if not isinstance(o, torch.fx.Node) or o not in tainted:
+                continue
+            reader, cur = (n, pos), o
+            while packet(cur) in CHAIN and len(cur.users) == 1 and cur is not n.args[0] and cur.args[0] in tainted:
+                reader, cur = (cur, 0), cur.args[0]
+            roots.setdefault(cur, []).append(reader)
+    return roots
