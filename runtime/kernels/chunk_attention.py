@@ -20,13 +20,14 @@ Paths (:func:`fxpar.runtime.kernels.use_triton`, op name "chunk_attention"; by d
   neither bool masks (converted to additive ones) nor grouped KV (KV repeated per query head), and gives
   ``lse`` 0 on rows with no key (set to -inf here).
 * torch, elsewhere (soft cap, other devices): plain matmul / softmax in fp32, the query heads of a
-  group batched against their one KV head.
+  group batched against their one KV head; it forms the ``[Sq, Sk]`` scores.
 * Triton (hand-written because torch's attention kernels return no log-sum-exp that a later call can
   take back with a soft cap, nor read grouped KV heads in place): a flash-attention forward (one program
   per query tile and head, online softmax over key tiles) and backward (one program per key tile and KV
   head for dK/dV, looping over the query heads that share it, so the group's sum needs no atomics; one
   per query tile and head for dQ). KV is read per KV head, never repeated. fp32 matmuls are asked for
-  at IEEE precision (not TF32), as the torch path computes them.
+  at IEEE precision (not TF32), as the torch path computes them. No tile is skipped: a causal mask's
+  empty tiles cost as much as full ones (the mask is data, read tile by tile).
 """
 
 from __future__ import annotations
@@ -359,12 +360,8 @@ def _(q, k, v, out, lse, grad_out, mask, scale, softcap):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _scale(scale: float | None, q: torch.Tensor) -> float:
-    return float(q.shape[-1] ** -0.5 if scale is None else scale)
-
-
-def _cap(softcap: float | None) -> float | None:
-    return None if softcap is None else float(softcap)
+def _floats(q: torch.Tensor, scale: float | None, softcap: float | None) -> tuple[float, float | None]:
+    return float(q.shape[-1] ** -0.5 if scale is None else scale), None if softcap is None else float(softcap)
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
@@ -373,7 +370,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     lse [B, H, Sq] fp32)``. ``mask``: bool (True = attend) or additive float, broadcastable to
     ``[B, H, Sq, Sk]``; None attends to every key. ``softcap``: scores ``softcap * tanh(s / softcap)``
     before the mask. Rows with no key to attend: ``out`` 0, ``lse`` -inf."""
-    return torch.ops.fxpar_kernels.chunk_attention(q, k, v, mask, _scale(scale, q), _cap(softcap))
+    return torch.ops.fxpar_kernels.chunk_attention(q, k, v, mask, *_floats(q, scale, softcap))
 
 
 def chunk_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -383,8 +380,8 @@ def chunk_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ``dk``, ``dv`` summed over the query heads that share a KV head. Given the ``out`` and ``lse`` merged
     over several key chunks, the result is this key chunk's share: ``dq`` summed over the chunks, and
     ``dk``, ``dv`` of each chunk, are the gradients of attention over all of them."""
-    return torch.ops.fxpar_kernels.chunk_attention_backward(q, k, v, out, lse, grad_out, mask, _scale(scale, q),
-                                                            _cap(softcap))
+    return torch.ops.fxpar_kernels.chunk_attention_backward(q, k, v, out, lse, grad_out, mask,
+                                                            *_floats(q, scale, softcap))
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
