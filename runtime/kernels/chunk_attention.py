@@ -14,11 +14,10 @@ no chunk's probabilities are kept from forward to backward.
 
 Paths (:func:`fxpar.runtime.kernels.use_triton`, op name "chunk_attention"; by default Triton on CUDA for
 16-bit inputs, torch otherwise):
-* torch, on the CPU without soft cap: torch's CPU flash attention
-  (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward), which returns the
-  log-sum-exp and takes ``out``/``lse`` back; it never forms the ``[Sq, Sk]`` scores whole. It takes
-  neither bool masks (converted to additive ones) nor grouped KV (KV repeated per query head), and gives
-  ``lse`` 0 on rows with no key (set to -inf here).
+* torch, on the CPU without soft cap: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
+  backward, which return the log-sum-exp and take ``out``/``lse`` back, never forming the ``[Sq, Sk]``
+  scores whole. They take no bool mask (made additive) nor grouped KV (KV repeated per query head), and
+  give ``lse`` 0 on rows with no key (set to -inf here).
 * torch, elsewhere (soft cap, other devices): plain matmul / softmax in fp32, the query heads of a
   group batched against their one KV head; it forms the ``[Sq, Sk]`` scores.
 * Triton (hand-written because torch's attention kernels return no log-sum-exp that a later call can
@@ -43,18 +42,17 @@ try:
 except ImportError:  # triton is only declared for Linux x86-64
     triton = None
 
-__all__ = ["chunk_attention", "chunk_attention_backward", "merge_partials"]
+__all__ = ["chunk_attention", "chunk_attention_backward", "merge_partials", "sink_grad"]
 
 BLOCK = 64  # query and key rows per Triton tile (tests lower it to run several tiles under the interpreter)
 _NEG_INF = float("-inf")
 
 
 def _check(q, k, v):
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise FxparError(f"chunk_attention: q [B, H, Sq, D] and k, v [B, Hkv, Sk, D] expected, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[1] % k.shape[1]:
-        raise FxparError(f"chunk_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    if (q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]
+            or q.shape[1] % k.shape[1]):
+        raise FxparError(f"chunk_attention: q [B, H, Sq, D] and k, v [B, Hkv, Sk, D] with H a multiple of Hkv "
+                         f"expected, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -69,8 +67,7 @@ def _flash_cpu(q: torch.Tensor, softcap: float | None) -> bool:
 
 
 def _per_query_head(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """KV ``[B, Hkv, S, D]`` repeated to ``[B, H, S, D]`` (a copy: the CPU flash kernel reads one KV head
-    per query head)."""
+    """KV ``[B, Hkv, S, D]`` repeated to ``[B, H, S, D]`` (a copy: the CPU flash kernel reads one per head)."""
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
@@ -97,18 +94,13 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == _NEG_INF, 0.0)
 
 
-def _dead_rows(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Rows of an additive mask with no key to attend, broadcastable to ``[B, H, Sq]``."""
-    return None if mask is None else (mask == _NEG_INF).all(-1)
-
-
 def _forward_torch(q, k, v, mask, scale, softcap):
     b, h, sq, d = q.shape
     if _flash_cpu(q, softcap):
         add = _additive(mask, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, _per_query_head(k, h), _per_query_head(v, h), 0.0, False, attn_mask=add, scale=scale)
-        dead = _dead_rows(add)
+        dead = None if add is None else (add == _NEG_INF).all(-1)  # rows with no key to attend
         return out, (lse if dead is None else lse.masked_fill(dead, _NEG_INF)).contiguous()
     s, _ = _math_scores(q, k, mask, scale, softcap)
     lse = torch.logsumexp(s, -1)
@@ -273,19 +265,18 @@ if triton is not None:
 
 
 def _triton(q: torch.Tensor) -> bool:
-    """Whether the Triton path runs (:func:`fxpar.runtime.kernels.use_triton`), except that by default fp32
-    takes torch's on CUDA too. On an H200 (2048 x 2048 causal, 16-32 query heads over 8 KV heads, head dim
-    64-256) the torch path (fp32 matmuls) took 3.9-9.0x the Triton forward's time and 3.0-4.7x its backward's
-    with 16-bit inputs, and 16-96x its memory; with fp32 inputs, whose Triton matmuls run at IEEE precision
-    without tensor cores, the Triton forward took 1.2-1.9x and its backward 35-37x the torch path's time."""
+    """Whether the Triton path runs (:func:`fxpar.runtime.kernels.use_triton`); by default fp32 takes torch's
+    on CUDA too. On an H200 (2048 x 2048 causal, 16-32 query heads over 8 KV heads, head dim 64-256) the
+    torch path (fp32 matmuls) took 3.9-9.0x the Triton forward's time, 3.0-4.7x its backward's and 16-96x its
+    memory with 16-bit inputs; with fp32 ones (Triton's matmuls at IEEE precision, without tensor cores) the
+    Triton forward took 1.2-1.9x and its backward 35-37x the torch path's time."""
     if not use_triton("chunk_attention", q.device):
         return False
     return q.dtype != torch.float32 or use_triton("chunk_attention", torch.device("meta"))  # meta: asked for
 
 
 def _launch_args(q, k, v, mask, softcap):
-    """Contiguous q, k, v, the mask as kernel arguments (tensor, its 4 strides over [B, H, Sq, Sk], kind)
-    and the shared constexprs."""
+    """Contiguous q, k, v, the mask (tensor, its 4 strides over [B, H, Sq, Sk]) and the constexprs."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     kind = 0 if mask is None else 1 if mask.dtype == torch.bool else 2
     if mask is None:
@@ -328,9 +319,7 @@ def _backward_triton(q, k, v, out, lse, grad_out, mask, scale, softcap):
     return dq, dk, dv
 
 
-# ---------------------------------------------------------------------------------------------------
-# The ops
-
+# ---- the ops ---------------------------------------------------------------------------------------
 @torch.library.custom_op("fxpar_kernels::chunk_attention", mutates_args=())
 def chunk_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                        softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,12 +354,18 @@ def _floats(q: torch.Tensor, scale: float | None, softcap: float | None) -> tupl
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
-                    scale: float | None = None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, H, Sq, D]`` over ``k, v [B, Hkv, Sk, D]``: ``(out [B, H, Sq, D] in q's dtype,
     lse [B, H, Sq] fp32)``. ``mask``: bool (True = attend) or additive float, broadcastable to
     ``[B, H, Sq, Sk]``; None attends to every key. ``softcap``: scores ``softcap * tanh(s / softcap)``
-    before the mask. Rows with no key to attend: ``out`` 0, ``lse`` -inf."""
-    return torch.ops.fxpar_kernels.chunk_attention(q, k, v, mask, *_floats(q, scale, softcap))
+    before the mask. Rows with no key to attend: ``out`` 0, ``lse`` -inf. ``sinks``: gpt-oss's logit per
+    query head ``[H]`` in the softmax's denominator, merged in as a partial with no value (give them with
+    one key chunk of a ring only; :func:`chunk_attention_backward` needs nothing more, :func:`sink_grad`)."""
+    out, lse = torch.ops.fxpar_kernels.chunk_attention(q, k, v, mask, *_floats(q, scale, softcap))
+    if sinks is None:
+        return out, lse
+    return merge_partials(out, lse, torch.zeros_like(out), sinks.float()[:, None].expand(lse.shape))
 
 
 def chunk_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -394,3 +389,11 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     base = _finite(lse)
     out = out_a.float() * torch.exp(lse_a - base)[..., None] + out_b.float() * torch.exp(lse_b - base)[..., None]
     return out.to(out_a.dtype), lse
+
+
+def sink_grad(sinks: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``sinks [H]`` from the ``out`` and ``lse`` of attention that counted them (merged over
+    every key chunk) and the gradient of ``out``: ``-sum over batch and queries of exp(sink - lse) *
+    rowsum(dO * O)``. Under context parallelism each rank's is a share over its queries, to be summed."""
+    delta = (grad_out.float() * out.float()).sum(-1)
+    return -(torch.exp(sinks.float()[:, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)

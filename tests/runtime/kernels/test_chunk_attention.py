@@ -146,26 +146,25 @@ def test_merge_partials_of_disjoint_keys_and_empty_sides():
     assert torch.equal(ca.merge_partials(*whole, *nothing)[0], whole[0])
 
 
-def test_sinks_are_a_partial_with_no_value():
-    """gpt-oss's attention sinks (a per-head logit in the softmax's denominator, with no value) are a partial
-    with out 0 and lse the sink, merged once; each key chunk's backward from the merged out and lse then
-    gives the gradients of attention with sinks (the reference: the sink as an extra score column)."""
+def test_sinks():
+    """gpt-oss's attention sinks (a logit per head in the softmax's denominator, with no value), given with one
+    of two key chunks: out and every gradient (sink_grad's for the sinks) against the sink as an extra score
+    column of the softmax."""
     q, k, v, go, mask, _, _ = _data("sliding_window_gqa")
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
-    sink = (torch.zeros_like(q), sinks[None, :, None].expand(q.shape[:3]))
     halves = [(k[:, :, a:b], v[:, :, a:b], mask[:, a:b]) for a, b in ((0, 10), (10, S))]
-    out, lse = ca.merge_partials(*ca.chunk_attention(q, *halves[0]), *sink)
-    out, lse = ca.merge_partials(out, lse, *ca.chunk_attention(q, *halves[1]))
+    out, lse = ca.merge_partials(*ca.chunk_attention(q, *halves[0]), *ca.chunk_attention(q, *halves[1], sinks=sinks))
     grads = [ca.chunk_attention_backward(q, kc, vc, out, lse, go, mc) for kc, vc, mc in halves]
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    qr, kr, vr, sr = (t.clone().requires_grad_() for t in (q, k, v, sinks))
     s = _scores(qr, kr, mask, None, None)
-    p = torch.cat([s, sinks[None, :, None, None].expand(B, -1, S, 1)], -1).softmax(-1)[..., :S]
+    p = torch.cat([s, sr[None, :, None, None].expand(B, -1, S, 1)], -1).softmax(-1)[..., :S]
     want = p @ vr.repeat_interleave(2, 1)
     (want * go).sum().backward()
     torch.testing.assert_close(out, want.detach(), rtol=1e-6, atol=1e-6)
     for got, ref in ((grads[0][0] + grads[1][0], qr.grad), (torch.cat([g[1] for g in grads], 2), kr.grad),
-                     (torch.cat([g[2] for g in grads], 2), vr.grad)):
+                     (torch.cat([g[2] for g in grads], 2), vr.grad), (ca.sink_grad(sinks, out, lse, go), sr.grad)):
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * max(1.0, ref.abs().max().item()))
+    assert sr.grad.abs().min() > 0.01  # the sinks do carry weight here
 
 
 def test_default_path_on_cuda_is_triton_for_16_bit_inputs(monkeypatch):
