@@ -12,47 +12,57 @@ import torch
 import torch.fx
 
 from fxpar.ir import meta
-from fxpar.ir.op_classes import is_pointwise
-from fxpar.passes.cp_rules import (
+from fxpar.ir.op_classes import (
+    ACTIVATION_PRODUCTS,
     DIM_REDUCTIONS,
-    NORMS,
-    PARTIAL,
-    PRODUCTS,
-    RESHAPING,
-    SAME,
-    SDPA,
-    SIZED,
-    Sh,
-    packet,
-    seq_dim_after,
-    shape_of,
-    tensor_args,
+    DIM_VIEWS,
+    ELEMENTWISE_LIKE,
+    LAST_DIM_NORMS,
+    SAME_ORDER_RESHAPES,
+    SHAPE_ARG_OPS,
+    is_pointwise,
 )
+from fxpar.ir.ops import collective_kind
+from fxpar.passes.cp_rules import PARTIAL, SDPA, Sh, packet, seq_dim_after, shape_of, tensor_args
 
 aten = torch.ops.aten
 fxpar_ops = torch.ops.fxpar
-VIEWS = RESHAPING | SIZED | {aten.transpose, aten.permute, aten.t, aten.slice, aten.select}
+# other passes' collectives (TP's): an all-reduce is elementwise along the sequence; a gather or scatter along
+# another dim moves no token
+ELEMENTWISE_COLLECTIVES = {"all_reduce", "identity_fwd_all_reduce_bwd"}
+DIM_COLLECTIVES = {"all_gather", "all_gather_rs_bwd", "reduce_scatter", "scatter_slice"}
 
 
 def rule_for(node: torch.fx.Node, op):
     """The rule of ``node`` (an op ``op``), or None: its sharded inputs are gathered."""
+    if collective_kind(node) in ELEMENTWISE_COLLECTIVES | DIM_COLLECTIVES:
+        return collective
     if op is SDPA:
         return attention
     if op is aten.cross_entropy_loss:
         return cross_entropy
-    if op in VIEWS:
+    if op in DIM_VIEWS:
         return view
     if op is aten.linear:
         return linear
-    if op in PRODUCTS:
+    if op in ACTIVATION_PRODUCTS:
         return product
-    if op in NORMS or op in DIM_REDUCTIONS:
+    if op in LAST_DIM_NORMS or op in DIM_REDUCTIONS:
         return reduction
-    if op in SAME or is_pointwise(node):
+    if op in ELEMENTWISE_LIKE or is_pointwise(node):
         return pointwise
     if op is aten.cat:
         return concat
     return None
+
+
+def collective(rw, node, op) -> None:
+    """Another pass's collective: the state passes through, unless it gathers or scatters the sequence."""
+    s = rw.state.get(node.args[0])
+    if collective_kind(node) in DIM_COLLECTIVES:
+        if not isinstance(s, Sh) or node.args[2] % len(shape_of(node.args[0])) == s.dim:
+            return rw.fallback(node)
+    rw.state[node] = s
 
 
 def view(rw, node, op) -> None:
@@ -62,7 +72,7 @@ def view(rw, node, op) -> None:
         return
     src, dst, nd = shape_of(x), shape_of(node), len(shape_of(x))
     out = None
-    if op in RESHAPING:
+    if op in SAME_ORDER_RESHAPES:
         out = seq_dim_after(src, s.dim, s.outer, dst, rw.l.seq)
     elif op is aten.expand:
         out = Sh(s.dim + len(dst) - nd, s.outer)
@@ -75,7 +85,7 @@ def view(rw, node, op) -> None:
         out = Sh(s.dim - (op is aten.select and node.args[1] % nd < s.dim), s.outer)
     if out is None:
         return rw.fallback(node)
-    if op in SIZED:
+    if op in SHAPE_ARG_OPS:
         node.update_arg(1, rw.local_shape(node, out))
     rw.state[node] = out
 
@@ -129,7 +139,7 @@ def reduction(rw, node, op) -> None:
     x = node.args[0]
     s = rw.input_state(node, x)
     nd = len(shape_of(x))
-    if op in NORMS:
+    if op in LAST_DIM_NORMS:
         dims, keep = list(range(nd - len(node.args[1]), nd)), True
     else:
         dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", list(range(nd)))
@@ -232,16 +242,21 @@ def cross_entropy(rw, node, op=None) -> None:
         rw.state[mean] = PARTIAL
 
 def outputs(rw, node, keep: set[int] | None) -> None:
-    """Partial outputs summed (the loss); sharded ones gathered where kept, else left this rank's rows."""
+    """Partial outputs summed (the loss: each rank's backward starts from its own part, whose gradient sums
+    over cp); a whole output that the sequence fed (a loss computed from summed parts) counts ``1 / cp`` on each
+    rank before the sum; sharded ones gathered where kept (None: all), else None (a training step reads only
+    the loss, as the TP pass leaves the logits)."""
     outs = list(node.args[0])
     for i, x in enumerate(outs):
-        if not isinstance(x, torch.fx.Node) or rw.state.get(x) is None:
+        if not isinstance(x, torch.fx.Node) or (keep is not None and i not in keep and x not in rw.state):
             continue
-        s = rw.state[x]
-        if s == PARTIAL:  # each rank's backward starts from its own part (its gradient sums over cp)
-            with rw.g.inserting_before(node):
+        s = rw.state.get(x)
+        with rw.g.inserting_before(node):
+            if s == PARTIAL:
                 outs[i] = rw.call(fxpar_ops.all_reduce.default, x, rw.l.group, "sum")
-        elif keep is not None and i in keep:
-            with rw.g.inserting_before(node):
-                outs[i] = rw.gather(x, s)
+            elif s is None and x in rw.fed and keep is not None and i in keep:
+                share = rw.call(aten.div.Tensor, x, rw.l.cp)
+                outs[i] = rw.call(fxpar_ops.all_reduce.default, share, rw.l.group, "sum")
+            elif isinstance(s, Sh):
+                outs[i] = rw.gather(x, s) if keep is None or i in keep else None
     node.args = (type(node.args[0])(outs),)

@@ -13,8 +13,9 @@ import torch
 import torch.fx
 
 from fxpar.ir import meta
+from fxpar.ir.op_classes import NEW_TENSOR_FACTORIES
 from fxpar.passes import cp_ops
-from fxpar.passes.cp_rules import PARTIAL, WHOLE_FACTORIES, Layout, Sh, packet, shape_of, tensor_args, user_input_of
+from fxpar.passes.cp_rules import PARTIAL, Layout, Sh, packet, shape_of, tensor_args, user_input_of
 
 aten = torch.ops.aten
 fxpar_ops = torch.ops.fxpar
@@ -27,6 +28,7 @@ class Rewriter:
         self.gm, self.g, self.program, self.l, self.roots, self.res = gm, gm.graph, program, layout, roots, result
         self.state: dict[torch.fx.Node, object] = {}
         self.cuts: dict[tuple, torch.fx.Node] = {}
+        self.fed: set[torch.fx.Node] = set()
 
     # ---- building blocks ----------------------------------------------------------------------------
     def call(self, target, *args, **kwargs) -> torch.fx.Node:
@@ -91,6 +93,8 @@ class Rewriter:
     # ---- the visit ----------------------------------------------------------------------------------
     def visit(self, node: torch.fx.Node) -> None:
         op = packet(node)
+        if any(a in self.fed or self.state.get(a) is not None for a in tensor_args(node)):
+            self.fed.add(node)  # the sequence fed it (a whole value that depends on the tokens)
         if node.target is operator.getitem:
             src = self.state.get(node.args[0])
             self.state[node] = src[node.args[1]] if isinstance(src, tuple) else src
@@ -99,6 +103,7 @@ class Rewriter:
                 with self.g.inserting_before(node):
                     node.update_arg(1, self.cut(node.args[1], 1))
                 self.state[node] = Sh(1)
+                self.fed.add(node)
         elif any(self.state.get(a) is not None for a in tensor_args(node)):
             self.rule(node, op)
         if node in self.roots and isinstance(self.state.get(node), Sh):
@@ -111,7 +116,7 @@ class Rewriter:
     def rule(self, node: torch.fx.Node, op) -> None:
         if node.meta.get(meta.VAL) is None and "assert" in str(node.target):
             return  # export's metadata checks: dtype and device only
-        if op in WHOLE_FACTORIES:
+        if op in NEW_TENSOR_FACTORIES:
             return
         rule = cp_ops.rule_for(node, op)
         if rule is None:

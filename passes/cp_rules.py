@@ -16,27 +16,13 @@ import torch
 import torch.fx
 
 from fxpar.ir import meta
+from fxpar.ir.op_classes import ACTIVATION_PRODUCTS, ELEMENTWISE_LIKE, LAYOUT_CHAIN, SAME_ORDER_RESHAPES, is_pointwise
 
 aten = torch.ops.aten
 fxpar_ops = torch.ops.fxpar
 PARTIAL = "partial"
 
-# ops whose output is the input's data rearranged: the sequence dim is found again by element arithmetic
-RESHAPING = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unsqueeze, aten.squeeze}
-SIZED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}  # whose second argument is the output's shape
-SAME = {aten.clone, aten.contiguous, aten.alias, aten.detach, aten._to_copy, aten.to, aten.type_as,
-        aten.lift_fresh_copy, aten.dropout, aten.masked_fill, aten.where, aten.zeros_like, aten.ones_like,
-        aten.empty_like, aten.full_like}  # elementwise in effect, broadcasting like pointwise ops
-WHOLE_FACTORIES = {aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full}  # shape from arguments
-PRODUCTS = {aten.matmul, aten.bmm, aten.mm, aten.baddbmm}
 SDPA = aten.scaled_dot_product_attention
-# on the path from a projection to attention, before the grouped-query expansion: keys and values are
-# gathered at the top of such a chain, so each KV head crosses the group once
-CHAIN = RESHAPING | {aten.expand, aten.transpose, aten.permute, aten.clone, aten.contiguous, aten.alias,
-                     aten._to_copy, aten.to}
-NORMS = {aten.native_layer_norm, aten.layer_norm, aten.rms_norm, aten._fused_rms_norm}
-DIM_REDUCTIONS = {aten.mean, aten.sum, aten.amax, aten.amin, aten.softmax, aten._softmax, aten.log_softmax,
-                  aten._log_softmax, aten.var, aten.std, aten.cumsum, aten.argmax, aten.any, aten.all}
 
 
 def packet(node: torch.fx.Node):
@@ -49,13 +35,15 @@ def shape_of(node) -> tuple | None:
 
 
 def user_input_of(node, program) -> torch.fx.Node | None:
-    """The user-input placeholder ``node`` is (through views), else None."""
+    """The user-input placeholder ``node`` is, through views and elementwise index arithmetic (a vocabulary-
+    parallel embedding shifts and masks the ids first), else None."""
     bound = {b.placeholder: b for b in program.inputs}
     while isinstance(node, torch.fx.Node):
         if node.op == "placeholder":
             b = bound.get(node.name)
             return node if b is not None and b.kind == "user" else None
-        if node.op != "call_function" or packet(node) not in RESHAPING | SAME:
+        index_arithmetic = packet(node) in SAME_ORDER_RESHAPES | ELEMENTWISE_LIKE or is_pointwise(node)
+        if node.op != "call_function" or not index_arithmetic:
             return None
         node = node.args[0]
     return None
@@ -112,8 +100,9 @@ def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
 def kv_roots(gm: torch.fx.GraphModule, program) -> dict[torch.fx.Node, list[tuple[torch.fx.Node, int]]]:
     """Where each attention's keys and values are gathered: node -> (reader, argument position) of each
     reader of the gathered value. Found on the graph's taint by the token ids (what the embedding of a user
-    input feeds), walking up from each key/value operand through :data:`CHAIN` ops that feed only the next
-    one (so the gather comes before any grouped-query expansion)."""
+    input feeds), walking up from each key/value operand through
+    :data:`~fxpar.ir.op_classes.LAYOUT_CHAIN` ops that feed only the next one (so the gather comes before any
+    grouped-query expansion)."""
     tainted: set[torch.fx.Node] = set()
     for n in gm.graph.nodes:
         if n.op != "call_function":
@@ -127,7 +116,7 @@ def kv_roots(gm: torch.fx.GraphModule, program) -> dict[torch.fx.Node, list[tupl
             continue
         if packet(n) is SDPA:
             operands = [1, 2]
-        elif packet(n) in PRODUCTS and all(a in tainted for a in n.args[:2] if isinstance(a, torch.fx.Node)):
+        elif packet(n) in ACTIVATION_PRODUCTS and all(a in tainted for a in n.args[:2] if isinstance(a, torch.fx.Node)):
             operands = [1]
         else:
             continue
@@ -136,7 +125,8 @@ def kv_roots(gm: torch.fx.GraphModule, program) -> dict[torch.fx.Node, list[tupl
             if not isinstance(o, torch.fx.Node) or o not in tainted:
                 continue
             reader, cur = (n, pos), o
-            while packet(cur) in CHAIN and len(cur.users) == 1 and cur is not n.args[0] and cur.args[0] in tainted:
+            while packet(cur) in LAYOUT_CHAIN and len(cur.users) == 1 and cur is not n.args[0] \
+                    and cur.args[0] in tainted:
                 reader, cur = (cur, 0), cur.args[0]
             roots.setdefault(cur, []).append(reader)
     return roots

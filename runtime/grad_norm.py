@@ -91,10 +91,11 @@ class GradClipper:
                 return False  # a tied parameter: its first pipeline rank counts it
             if tp.layout(fqn) is None and mesh.tp_rank != 0:
                 return False  # whole on every TP rank
-            # whole gradients are the same on every data replica (an expert slice's: on every dp rank); a ZeRO
-            # slice is its shard rank's own, the same on each of HSDP's replicas (counted on the first)
+            # whole gradients are the same on every data replica and cp rank (an expert slice's: on every
+            # dp rank); a ZeRO slice is its shard rank's own, the same on each of HSDP's replicas (counted on
+            # the first)
             return mesh.dp_replicate_rank == 0 if not whole else (mesh.dp_rank if fqn in experts
-                                                                   else mesh.replica_rank) == 0
+                                                                   else mesh.grad_rank) == 0
 
         self.tensors: list[torch.Tensor] = []
         self.ranges: list[tuple[torch.Tensor, list[tuple[int, int]]]] = []  # (tensor, counted flat entries)

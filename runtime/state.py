@@ -63,7 +63,7 @@ def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpe
         else:
             full = local.detach().clone() if mine else torch.empty(shape, dtype=local.dtype, device=device)
         if mesh.world_size > 1 and fqn in owner:
-            dist_calls.broadcast(full, owner[fqn] * mesh.tp)
+            dist_calls.broadcast(full, mesh.rank_of(pp=owner[fqn]))
         out[name] = full
     return out
 
@@ -210,10 +210,11 @@ def local_state(compiled, *, optimizer: bool = False, writers_only: bool = True)
         sharded, pick = tp.layout(fqn) is not None or fqn in experts, zlib.crc32(fqn.encode())
         if per_dp:  # a ZeRO slice: each shard rank its own; of HSDP's copies of it, one replica (by FQN)
             return (sharded or mesh.tp_rank == 0) and mesh.dp_replicate_rank == pick % mesh.dp_replicate
-        if sharded:
-            return mesh.dp_rank == pick % mesh.dp
+        if sharded:  # one rank of dp x cp
+            return mesh.dp_rank == pick % mesh.dp and mesh.cp_rank == pick // mesh.dp % mesh.cp
         return (mesh.dp_rank, mesh.tp_rank) == divmod(pick % (mesh.dp * mesh.tp), mesh.tp) \
-            and mesh.ep_rank == pick // (mesh.dp * mesh.tp) % mesh.ep  # one data replica of dp x ep
+            and mesh.ep_rank == pick // (mesh.dp * mesh.tp) % mesh.ep \
+            and mesh.cp_rank == pick // (mesh.dp * mesh.tp * mesh.ep) % mesh.cp  # one data replica of dp x ep x cp
 
     out: dict[str, Held] = {}
 

@@ -3,6 +3,8 @@ group per (replica, TP rank) over the ranks holding them, and the sum of their g
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -23,11 +25,11 @@ def make_tied_groups(pipeline: PipelineProgram, mesh: MeshSpec, stage_to_rank, *
             mine = None
             if create:
                 me = mesh.coords()
-                for d in range(mesh.dp):
-                    for e in range(mesh.ep):  # (ep=1 but for expert parallelism: another data replica)
-                        for t in range(mesh.tp):
-                            g = dist.new_group([mesh.rank_of(d, r, t, e) for r in ranks])
-                            mine = g if (d, t, e) == (me["dp"], me["tp"], me.get("ep", 0)) else mine
+                at = (me["dp"], me["tp"], me.get("ep", 0), me.get("cp", 0))
+                for d, e, c, t in itertools.product(range(mesh.dp), range(mesh.ep), range(mesh.cp), range(mesh.tp)):
+                    # (ep, cp = 1 but for expert and context parallelism: another data replica, another chunk)
+                    g = dist.new_group([mesh.rank_of(d, r, t, e, c) for r in ranks])
+                    mine = g if (d, t, e, c) == at else mine
             groups.append((fqn, ranks, mine))
     return groups
 

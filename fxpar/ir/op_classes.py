@@ -135,6 +135,28 @@ WEIGHT_VIEWS = frozenset({aten.transpose, aten.permute, aten.view, aten.reshape,
                           aten.contiguous, aten.alias, aten.t, aten.expand})
 
 
+# Context parallelism (fxpar.passes.cp_ops) follows the sequence dim through these:
+# same elements in the same order under another shape (the dim found again by element arithmetic)
+SAME_ORDER_RESHAPES = RESHAPES | {aten.flatten, aten.unsqueeze, aten.squeeze}
+# whose second argument is the output's shape
+SHAPE_ARG_OPS = RESHAPES | {aten.expand}
+# elementwise in effect, broadcasting like pointwise ops
+ELEMENTWISE_LIKE = PASS_THROUGH | {aten.type_as, aten.masked_fill, aten.where, aten.zeros_like, aten.ones_like,
+                                   aten.empty_like, aten.full_like}
+# a new tensor whose shape comes from the arguments, not the input's
+NEW_TENSOR_FACTORIES = frozenset({aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full})
+# products of two activations (attention's scores and their product with the values), or of an activation
+ACTIVATION_PRODUCTS = BATCHED_MATMULS | {aten.mm, aten.baddbmm}
+# layout and dtype only: what lies between a key/value projection and attention (the grouped-query expansion)
+LAYOUT_CHAIN = SAME_ORDER_RESHAPES | PASS_THROUGH | {aten.expand, aten.transpose, aten.permute}
+# normalisations over the last dims (their second argument: the normalized shape)
+LAST_DIM_NORMS = frozenset({aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten._fused_rms_norm})
+# reductions and scans along the dims their second argument names
+DIM_REDUCTIONS = REDUCTIONS | SOFTMAX | {aten.var, aten.std, aten.cumsum, aten.argmax, aten.any, aten.all}
+# views that keep, move or cut dims
+DIM_VIEWS = SAME_ORDER_RESHAPES | SHAPE_ARG_OPS | {aten.transpose, aten.permute, aten.t, aten.slice, aten.select}
+
+
 def resolve_ops(names) -> frozenset:
     """The ``OpOverloadPacket`` of each qualified op name (``"aten::_grouped_mm"``) registered in this
     process; a name that is not (an op this torch lacks, a library's op whose module is not imported) is
