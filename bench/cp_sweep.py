@@ -1,0 +1,252 @@
+"""Sweep ``Plan(cp=N)`` over every causal-LM architecture transformers registers: loss and every gradient
+against one process.
+
+    OMP_NUM_THREADS=1 python bench/cp_sweep.py [--cp 2] [--only a,b] [--limit 120] [--json f] [--load f]
+        [--write docs/benchmarks.md]
+
+Each name in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` is built tiny as ``bench/registry_sweep.py`` builds it
+(``_tiny_configs.tiny_config``, train mode, dropout 0, its first inputs the forward takes), on a sequence of
+``SEQ`` = 16 tokens (``2 * cp`` chunks of 4 tokens at cp=2, of 2 at cp=4). The ``cp`` gloo ranks are spawned
+once (``fxpar.testing.multiproc.RankPool``); per architecture each rank traces the model, runs the context-
+parallel pass for its rank (only the loss kept whole, as ``fxpar.compile`` does), forward and backward, next
+to the eager model on one process; each parameter's gradient is summed over the cp ranks (as the data-
+parallel engine sums it over dp x cp). Status: ``equal`` (loss and every gradient within 1e-5),
+``differs``, ``build fails`` (eager), ``trace fails``, ``cp fails`` (the pass or the rank's run), ``timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (the ranks load this file by path)
+from _docs import replace_section  # noqa: E402
+from _tiny_configs import VOCAB, tiny_config  # noqa: E402
+from registry_sweep import TOL, _inputs, _loss, _why  # noqa: E402
+
+SECTION = "## Context-parallel sweep at cp={cp}"  # of docs/benchmarks.md
+DATE = "2026-11-27"
+SEQ = 16  # cuts into 2 x cp chunks for cp = 2 and 4
+
+
+def group_name(cp: int) -> str:
+    return "cp:" + ",".join(map(str, range(cp)))
+
+
+def build(arch: str, seq: int = SEQ):
+    """(model in train mode, the first inputs its forward takes) as registry_sweep builds it, ``seq`` tokens."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfg = tiny_config(arch)
+    torch.manual_seed(0)
+    model = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[arch]]._from_config(cfg).train()
+    vocab = getattr(model.get_output_embeddings(), "out_features", None) or cfg.get_text_config().vocab_size
+    seq = math.prod(getattr(cfg, "axial_pos_shape", None) or [seq])
+    errors = []
+    for _, kw in _inputs(cfg, min(vocab, VOCAB), seq):
+        if "use_cache" in inspect.signature(model.forward).parameters:
+            kw["use_cache"] = False
+        try:
+            torch.manual_seed(0)
+            with torch.no_grad():
+                model(**kw)
+            return model, kw
+        except (ValueError, RuntimeError) as e:
+            errors.append(e)
+    raise errors[0]
+
+
+def _rank_program(program, cp: int, rank: int):
+    """This rank's program as ``fxpar.compile`` makes it for ``Plan(cp=cp)``: only the loss kept whole when
+    the model returns one."""
+    from fxpar.passes.context_parallel import context_parallel
+    from fxpar.passes.pipeline_split import loss_position
+
+    loss = loss_position(program)
+    keep = None if loss is None else {[i for i, b in enumerate(program.outputs) if b.kind == "user"][loss]}
+    return context_parallel(program, cp, rank, group_name(cp), keep_outputs=keep)
+
+
+def check_arch(arch: str, cp: int) -> dict:
+    """On each rank: the loss and gradient differences of ``arch`` at ``cp`` against one process (gradients
+    summed over the ranks); rank 0 adds what the pass did (attentions, gathers, fallbacks)."""
+    import torch.distributed as dist
+
+    import fxpar
+    from fxpar.runtime import groups
+    from fxpar.testing.compare import grads_by_fqn
+
+    warnings.filterwarnings("ignore")
+    rank = dist.get_rank()
+    groups.register_group(group_name(cp), dist.group.WORLD)
+    res: dict = {"arch": arch}
+    stage = "build fails"
+    try:
+        model, kw = build(arch)
+        stage = "trace fails"
+        program = fxpar.trace(model, example_kwargs=kw)
+        stage = "cp fails"
+        local, info = _rank_program(program, cp, rank)
+        torch.manual_seed(0)
+        loss = _loss(local(**kw))
+        loss.backward()
+        # the program shares the model's parameters: its gradients, summed over cp, taken before the reference
+        got = {}
+        for fqn, p in sorted(local.named_parameters()):  # the same order on every rank: one all-reduce each
+            g = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            dist.all_reduce(g)
+            got[fqn] = (g, p.grad is None)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        ref = _loss(model(**kw))
+        ref.backward()
+        want = grads_by_fqn(model)
+        grad, missing = 0.0, []
+        for fqn, (g, none) in got.items():
+            if fqn not in want:
+                continue
+            if none and want[fqn].abs().max() > 0:
+                missing.append(fqn)
+            grad = max(grad, float((g - want[fqn]).abs().max()))
+        res.update(loss=float((loss.detach() - ref.detach()).abs()), grad=grad)
+        if missing:
+            res.update(grad=float("inf"), why=f"no gradient for {missing[:3]}")
+    except Exception as e:
+        return {**res, "status": stage, "why": _why(e), "where": traceback.format_exc()[-400:]}
+    if rank == 0:
+        res.update(seq=info.seq, attention=len(info.attention), kv_gathers=len(info.kv_gathers),
+                   gathered=sorted(set(info.gathered)), cut=len(info.cut))
+    return res
+
+
+def run_sweep(archs: list[str], cp: int, limit: int, save=None) -> list[dict]:
+    import cp_sweep  # this file as a module the ranks can load by name and path (not __main__)
+
+    from fxpar.testing import multiproc
+
+    results = []
+    with multiproc.RankPool(cp, timeout=limit) as pool:  # restarted by its next run after a failure
+        for i, arch in enumerate(archs):
+            t0 = time.perf_counter()
+            try:
+                per_rank = pool.run(cp_sweep.check_arch, arch, cp, timeout=limit)
+                res = dict(per_rank[0])
+                if "status" not in res:
+                    worst = max(max(r["loss"], r["grad"]) for r in per_rank)
+                    res.update(loss=max(r["loss"] for r in per_rank), grad=max(r["grad"] for r in per_rank),
+                               status="equal" if worst <= TOL else "differs")
+            except multiproc.RankTimeout:
+                res = {"arch": arch, "status": "timeout", "why": f"no answer in {limit} s"}
+            except multiproc.RankFailure as e:
+                res = {"arch": arch, "status": "cp fails", "why": _why(e)[:300]}
+            res["s"] = round(time.perf_counter() - t0, 1)
+            results.append(res)
+            if save:
+                save(results)
+            print(f"[{i + 1}/{len(archs)}] {line(res)}", file=sys.stderr, flush=True)
+    return results
+
+
+def line(r: dict) -> str:
+    if "loss" not in r:
+        return f"{r['arch']}: {r['status']} ({r.get('s', '-')} s) {r.get('why', '')}"
+    return (f"{r['arch']}: {r['status']} loss {r['loss']:.1g} grad {r['grad']:.1g} ({r.get('attention', '-')} "
+            f"attentions, {r.get('kv_gathers', '-')} kv gathers, gathered at {r.get('gathered', [])[:4]}, "
+            f"{r.get('s', '-')} s) {r.get('why', '')}")
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")[:200]
+
+
+def summary(results: list[dict], cp: int) -> str:
+    equal = [r for r in results if r["status"] == "equal"]
+    traced = [r for r in results if r["status"] not in ("build fails", "trace fails")]
+    counts: dict = {}
+    for r in results:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    return (f"{len(equal)} of {len(traced)} architectures that fxpar.trace captures ({len(results)} swept) equal "
+            f"one process at cp={cp} (loss and every gradient within {TOL:g}). By status: "
+            f"{', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}")
+
+
+def table(results: list[dict]) -> str:
+    """One row per architecture not equal, with the reason."""
+    rows = ["| architecture | status | loss diff | grad diff | reason |", "|---|---|---|---|---|"]
+    for r in results:
+        if r["status"] == "equal":
+            continue
+        if "loss" in r:
+            rows.append(f"| {r['arch']} | {r['status']} | {r['loss']:.1g} | {r['grad']:.1g} | "
+                        f"{_md(r.get('reason') or r.get('why', ''))} |")
+        else:
+            rows.append(f"| {r['arch']} | {r['status']} | - | - | {_md(r.get('reason') or r.get('why', ''))} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--only", help="comma-separated architecture names (default: all)")
+    ap.add_argument("--limit", type=int, default=120, help="seconds per architecture")
+    ap.add_argument("--json", help="write the per-architecture results here (after each one)")
+    ap.add_argument("--load", help="report an earlier run's --json instead of sweeping")
+    ap.add_argument("--reasons", help="a JSON file {architecture: why} read into the table for those not equal")
+    ap.add_argument("--write", help="replace or append the '## Context-parallel sweep at cp=N' section of this file")
+    args = ap.parse_args()
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = [a for a in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if not args.only or a in args.only.split(",")]
+    t0 = time.perf_counter()
+    cmd = (f"OMP_NUM_THREADS=1 python bench/cp_sweep.py --cp {args.cp}" + (f" --only {args.only}" if args.only else "")
+           + f" --limit {args.limit}")
+
+    def save(results):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"cp": args.cp, "cmd": cmd, "results": results, "minutes": (time.perf_counter() - t0) / 60},
+                          f, indent=1)
+
+    if args.load:
+        with open(args.load) as f:
+            saved = json.load(f)
+        results, minutes, args.cp, cmd = saved["results"], saved["minutes"], saved["cp"], saved["cmd"]
+    else:
+        results = run_sweep(archs, args.cp, args.limit, save)
+        minutes = (time.perf_counter() - t0) / 60
+    if args.reasons:
+        with open(args.reasons) as f:
+            why = json.load(f)
+        for r in results:
+            r["reason"] = why.get(r["arch"], "")
+    for r in results:
+        print(line(r))
+    head = summary(results, args.cp)
+    print(head)
+    intro = (f"`{cmd}` ({minutes:.0f} min, {args.cp} gloo ranks spawned once, torch {torch.__version__}, "
+             f"transformers {transformers.__version__}, {DATE}). Each causal-LM architecture built tiny as in the "
+             f"registry sweep, batch 2 x seq {SEQ}; each rank runs `context_parallel` (fxpar/passes/"
+             f"context_parallel.py) on the traced program, forward and backward; the loss and every parameter's "
+             f"gradient summed over the cp ranks against the eager model on one process.\n\n**{head}.**")
+    if "--only" not in cmd and len(results) < len(archs):
+        intro += f" Partial: {len(results)} of {len(archs)} architectures, the sweep was interrupted."
+    section = SECTION.format(cp=args.cp)
+    if args.write:
+        replace_section(args.write, section,
+                        f"{section}\n\n{intro}\n\nArchitectures not equal, with the reason:\n\n{table(results)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
