@@ -53,6 +53,8 @@ def rule_for(node: torch.fx.Node, op):
         return pointwise
     if op is aten.cat:
         return concat
+    if op is aten.gather:
+        return take_along
     return None
 
 
@@ -163,6 +165,20 @@ def partial_sum(rw, node, op) -> None:
             part = rw.call(aten.div.Tensor, node, rw.l.cp)
         node.replace_all_uses_with(part, delete_user_cb=lambda u: u is not part)
         rw.state[part] = PARTIAL
+
+def take_along(rw, node, op=None) -> None:
+    """``gather(x, dim, index)`` along another dim than the sequence's (a vocabulary-parallel loss picking each
+    token's target logit): the index cut to this rank's rows, the output sharded as ``x``."""
+    x, dim, index = node.args[:3]
+    s = rw.input_state(node, x)
+    nd = len(shape_of(x))
+    if not isinstance(s, Sh) or dim % nd == s.dim or rw.state.get(index) is not None or \
+            shape_of(index)[s.dim] != s.outer * rw.l.seq:
+        return rw.fallback(node)
+    with rw.g.inserting_before(node):
+        node.replace_input_with(index, rw.cut(index, s.dim, s.outer))
+    rw.state[node] = s
+
 
 def concat(rw, node, op=None) -> None:
     xs = node.args[0]

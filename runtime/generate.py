@@ -180,6 +180,10 @@ def generate(compiled, input_ids: torch.Tensor, max_new_tokens: int, *, attentio
     docstring); ``eos_token_id`` / ``pad_token_id`` default to the model's generation config. ``cache``:
     None uses the KV cache where the plan and the model allow it, False never, True or a PlanError."""
     _check(input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
+    if compiled.plan.cp > 1:  # decoding appends one token at a time: no sequence to split
+        raise PlanError(f"{WHERE}: Plan(cp={compiled.plan.cp}) splits each sequence over {compiled.plan.cp} ranks, "
+                        "which decoding one token at a time cannot use; generate with a compiled model of the same "
+                        "weights and a plan without cp (e.g. the same dp, tp and pp), or evaluate the loss under cp")
     model = compiled.model
     eos = ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)) if eos_token_id is not None \
         else _config_ids(model, "eos_token_id")

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxpar
 from fxpar import zoo
+from fxpar.ir.errors import PlanError
 from fxpar.testing import multiproc
 
 TOL = 1e-5
@@ -32,13 +34,37 @@ def _batch(name: str, batch: int, seq: int, packed: bool) -> dict:
     return kw
 
 
+class KvTap(TorchDispatchMode):
+    """Bytes of the fxpar gathers (forward) and reduce-scatters (their backward) on groups named ``cp:``."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = {"all_gather_rs_bwd": 0, "reduce_scatter": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name.split("::")[-1]
+        if func.namespace == "fxpar" and name in self.bytes and str(args[1]).startswith("cp:"):
+            t = out if name == "all_gather_rs_bwd" else args[0]
+            self.bytes[name] += t.numel() * t.element_size()
+        return out
+
+
+def kv_theory(name: str, batch: int, seq: int) -> int:
+    """Every layer's keys and values, whole sequence, KV heads only, fp32."""
+    cfg = zoo.tiny_config(name)
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 2 * batch * cfg.num_key_value_heads * seq * head * 4
+
+
 def cp_training(name: str, plan: str, batch: int, seq: int, packed: bool) -> dict:
     kw = _batch(name, batch, seq, packed)
     compiled = fxpar.compile(zoo.build(name, seed=0), plan, example_kwargs=kw, optimizer=sgd, timeout=120,
                              max_grad_norm=float("inf"))  # measured, not clipped
     reference = zoo.build(name, seed=0)
     opt = sgd(reference.parameters())
-    loss = compiled.step(**kw)
+    with KvTap() as tap:
+        loss = compiled.step(**kw)
     ref = reference(**kw).loss
     ref.backward()
     norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item()
@@ -46,8 +72,18 @@ def cp_training(name: str, plan: str, batch: int, seq: int, packed: bool) -> dic
     state, want = compiled.full_state_dict(), reference.state_dict()
     diff = max((state[k] - v).abs().max().item() for k, v in want.items())
     moved = max((v - zoo.build(name, seed=0).state_dict()[k]).abs().max().item() for k, v in want.items())
+    with torch.no_grad():  # evaluation under cp: the unsplit loss; without labels, the whole logits
+        evaluated = abs(compiled(**kw).loss.item() - reference(**kw).loss.item())
+        ids = {k: v for k, v in kw.items() if k != "labels"}
+        logits = (compiled(**ids).logits - reference(**ids).logits).abs().max().item()
+    try:
+        compiled.generate(kw["input_ids"][:, :4], 2)
+        refused = ""
+    except PlanError as e:
+        refused = str(e)
     return {"loss": abs(loss.item() - ref.item()), "weights": diff, "moved": moved,
-            "norm": abs(compiled.last_grad_norm - norm) / norm}
+            "norm": abs(compiled.last_grad_norm - norm) / norm, "eval": evaluated, "logits": logits,
+            "kv": tap.bytes, "kv_theory": kv_theory(name, batch // compiled.plan.dp, seq), "refused": refused}
 
 
 @pytest.mark.parametrize("name,plan,packed", [
@@ -65,3 +101,10 @@ def test_context_parallel_trains_as_one_process(pool2, pool4, name, plan, packed
     for r in results:
         assert r["loss"] <= TOL and r["weights"] <= TOL and r["norm"] <= TOL, r
         assert r["moved"] > 1e-3, r  # the step really changed the weights
+        assert r["eval"] <= TOL and r["logits"] <= TOL, r
+        assert "splits each sequence" in r["refused"], r["refused"]
+    # every layer's whole keys and values (KV heads only) gathered once per cp rank, reduce-scattered once back;
+    # a TP rank gathers its heads, a pipeline rank its stage's layers: over all ranks, dp x cp times each
+    p = fxpar.Plan.parse(plan)
+    for kind in ("all_gather_rs_bwd", "reduce_scatter"):
+        assert sum(r["kv"][kind] for r in results) == results[0]["kv_theory"] * p.dp * p.cp, (kind, results)
