@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
 from fxpar.cost.comm import sent_bytes as _sent
+from fxpar.cost.context_parallel import check_cp, cp_comm, cp_groups, cp_part_of, variant_cp
 from fxpar.cost.experts import check_ep, dp_sent, ep_comm, ep_groups, ep_part_of, variant_part
 from fxpar.cost.memory import activation_peaks, per_rank
 from fxpar.cost.overheads import (
@@ -102,15 +103,16 @@ class Pricer:
 
     # ---- per part --------------------------------------------------------------------------------
     def kind(self, name: str, tp: int, sp: bool, b: int, recompute: str, world: int, dtype: str,
-             ep: int = 1, ep_inter: bool = False, fused: bool = False) -> tuple:
-        """(fwd, bwd incl. recompute, weight-grad, tp fwd, tp bwd, params, kept, transient, out, outputs, *ep_comm)
-        of one part; transient: what its backward adds on top of the kept activations (the recomputed forward
-        and the gradients alive at once); outputs: the program's outputs it makes, kept to the step's end."""
-        key = (name, tp, sp, b, recompute, world, dtype, ep, ep_inter, fused)
+             ep: int = 1, ep_inter: bool = False, fused: bool = False, cp: int = 1, cp_inter: bool = False) -> tuple:
+        """(fwd, bwd incl. recompute, weight-grad, tp fwd, tp bwd, params, kept, transient, out, outputs, *ep_comm,
+        *cp_comm) of one part; transient: what its backward adds on top of the kept activations (the recomputed
+        forward and the gradients alive at once); outputs: the program's outputs it makes, kept to the step's end."""
+        key = (name, tp, sp, b, recompute, world, dtype, ep, ep_inter, fused, cp, cp_inter)
         got = self._kinds.get(key)
         if got is not None:
             return got
         part = variant_part(self.costs, self._kinds, name, tp, sp, ep, fused)
+        part = variant_cp(self._kinds, (name, tp, sp, ep, fused, cp), part, cp)  # this rank's S / cp tokens
         p = self.profile
         share = p.share(min(world, p.ranks_per_node))
         fwd, bwd = part.time(p, b, dtype)
@@ -120,20 +122,15 @@ class Pricer:
                 if not is_matmul(f * b, act * b + weight):  # not a matrix product: recomputed
                     cheap += work_time(p, f * b, 0.0, act * b + weight, 0.0, dtype)[0]
         extra = fwd if recompute == "layer" and name not in ("pre", "post") else cheap
-        inter = _spans_nodes(world, p.ranks_per_node, 1, tp)
-        # each TP collective: its alpha-beta, slowed by the ranks computing beside it where they share cores,
-        # plus what fxpar's op spends around it on the rank's own core (fxpar.cost.overheads)
-        slow = comm_share(p, min(world, p.ranks_per_node), tp)
-        tf = sum(p.collective_time(k, n * b, tp, inter) / slow + call_time(p, k, n * b) / share
-                 for k, n, d in part.comm if d == "fwd")
-        tb = sum(p.collective_time(k, n * b, tp, inter) / slow + call_time(p, k, n * b) / share
-                 for k, n, d in part.comm if d != "fwd")
+        tf, tb = _tp_times(p, part, tp, b, world, share)
         if recompute == "layer" and name not in ("pre", "post"):
             tb += tf  # the recomputed forward runs its collectives again
         act = part.act.get(recompute) or part.act.get("none") or (0, 0)
+        again = recompute == "layer" and name not in ("pre", "post")
         got = ((fwd) / share, (bwd + extra) / share, bwd / 2 / share, tf, tb, part.params,
                act[0] * b, (act[1] + part.grad_bytes) * b, part.out_bytes * b, part.kept_out * b,
-               *ep_comm(p, part, ep, b, ep_inter, recompute == "layer" and name not in ("pre", "post"), share=share))
+               *ep_comm(p, part, ep, b, ep_inter, again, share=share),
+               *cp_comm(p, part, cp, b, cp_inter, again, name == "post", share=share))
         self._kinds[key] = got
         return got
 
@@ -147,7 +144,7 @@ class Pricer:
         return "bf16" if plan.mixed_precision == "bf16" else self.costs.dtype
 
     def _stages(self, n_stages: int, tp: int, sp: bool, b: int, rc: str, world: int, dtype: str,
-                var: tuple = (1, False, False)) -> dict[str, list]:
+                var: tuple = (1, False, False, 1, False)) -> dict[str, list]:
         """Per stage of the balanced cuts: compute, TP comm, params, activations, outputs, EP (cached;
         ``var``: _variant)."""
         key = (n_stages, tp, sp, b, rc, world, dtype, var)
@@ -155,7 +152,7 @@ class Pricer:
         if got is not None:
             return got
         got = {k: [] for k in ("F", "B", "W", "tf", "tb", "params", "kept", "trans", "outs", "tpsent", "big",
-                                "kout", "bigt", "ef", "eb", "eparams", "esent")}
+                                "kout", "bigt", "ef", "eb", "eparams", "esent", "cf", "cb", "csent")}
         bounds = self.segs.cuts(n_stages, b, dtype)
         for s, e in bounds:
             units: dict[int, float] = {}  # part -> its share in the stage (two halves of a layer: whole)
@@ -163,14 +160,15 @@ class Pricer:
                 units[i] = units.get(i, 0.0) + f
             ks = [(self.kind(self.names[i], tp, sp, b, rc, world, dtype, *var), f) for i, f in units.items()]
             for name, i in (("F", 0), ("B", 1), ("W", 2), ("tf", 3), ("tb", 4), ("params", 5), ("kept", 6),
-                            ("kout", 9), ("ef", 10), ("eb", 11), ("eparams", 12), ("esent", 13)):
+                            ("kout", 9), ("ef", 10), ("eb", 11), ("eparams", 12), ("esent", 13), ("cf", 14),
+                            ("cb", 15), ("csent", 16)):
                 got[name].append(sum(k[i] * f for k, f in ks))
             got["trans"].append(max(k[7] for k, _ in ks))
             got["params"][-1] += _borrowed(self, s, e, tp, sp)
             # what a cut after the stage sends: at a part's end the part's bytes (on this tp), mid-part the
             # unsharded segment's
             nxt = self.segments[e] if e < len(self.segments) else None
-            got["outs"].append(0 if nxt is None else nxt[3] * b if nxt[0] == self.segments[e - 1][0] and
+            got["outs"].append(0 if nxt is None else nxt[3] * b // var[3] if nxt[0] == self.segments[e - 1][0] and
                                nxt[2] is not None else ks[-1][0][8])
             got["big"].append(max(k[5] for k, _ in ks))
             itemsize = 2 if self.costs.dtype in ("bf16", "fp16") else 4  # entries of the largest weight
@@ -198,6 +196,7 @@ class Pricer:
                             f"{m} microbatches; pick microbatches dividing {self.batch // dp}" if self.batch % dp == 0
                             else f"fxpar.planner.price: global batch {self.batch} is not a multiple of dp={dp}")
         check_ep(c, plan.ep)
+        check_cp(c, plan)
         if plan.pp * v > len(self.points) + 1:
             raise PlanError(f"fxpar.planner.price: {plan.pp} x {v} stages but the model offers {len(self.points)} "
                             f"cut points ({len(c.layers)} layers, their children, pre and post); "
@@ -214,7 +213,8 @@ class Pricer:
         n_stages = pp * v
         # HSDP: the shard group and the replica group, each on the link its ranks need (fxpar.cost.data_parallel);
         # ep: dense parameters over the dp x ep replicas (dplan), the expert slices over dp (experts)
-        dplan, groups, experts = ep_groups(plan, partial(_spans_nodes, world, p.ranks_per_node))
+        spans = partial(_spans_nodes, world, p.ranks_per_node)
+        dplan, groups, experts = ep_groups(plan, spans) if plan.cp == 1 else (*cp_groups(plan, spans), None)
         gbytes = 1 + 4 / INT8_BLOCK if plan.comm_dtype else (2 if plan.mixed_precision == "bf16" else 4)
         dtype = self.dtype(plan)
         st = self._stages(n_stages, tp, sp, b, rc, world, dtype, _variant(self, plan))
@@ -224,12 +224,13 @@ class Pricer:
             k = plan.collective_matmul
             tf = [x / k + max(0.0, x - y) for x, y in zip(tf, st["F"])]
             tb = [x / k + max(0.0, x - y) for x, y in zip(tb, st["B"])]
-        if plan.ep > 1:  # the all-to-alls block their rank as TP's collectives do (fxpar.cost.experts)
-            tf, tb = [x + y for x, y in zip(tf, st["ef"])], [x + y for x, y in zip(tb, st["eb"])]
+        if plan.ep > 1 or plan.cp > 1:  # EP all-to-alls, CP KV gathers: they block as TP's do
+            tf = [x + y + z for x, y, z in zip(tf, st["ef"], st["cf"])]
+            tb = [x + y + z for x, y, z in zip(tb, st["eb"], st["cb"])]
         zf = zb = [0.0] * n_stages
         if plan.zero == 3 and groups.shard > 1:
             zf, zb = _zero3(self, n_stages, tp, sp, b, rc, world, dtype, groups.shard, groups.shard_inter, gbytes,
-                                 1 if plan.quantize_grads else 4, plan.prefetch > 0)
+                                 1 if plan.quantize_grads else 4, plan.prefetch > 0, _variant(self, plan))
         # the pipeline runtime's bookkeeping per action (fxpar.cost.overheads; 0 where not measured)
         act = p.pipeline_action.get(name, 0.0) / p.share(min(world, p.ranks_per_node)) if pp > 1 else 0.0
         split = name in sched.SPLIT_BACKWARD  # its backward is two actions, I (= B - W) and W
@@ -238,7 +239,7 @@ class Pricer:
         W = [x + act for x in st["W"]] if split else st["W"]
         tpc = [x + y for x, y in zip(tf, tb)]
         z3 = [x + y for x, y in zip(zf, zb)]
-        pp_inter = pp > 1 and _spans_nodes(world, p.ranks_per_node, tp, pp)
+        pp_inter = pp > 1 and _spans_nodes(world, p.ranks_per_node, plan.cp * tp, pp)
         hop = max(outs[:-1], default=0)
         comm = p.collective_time("send", hop, 2, pp_inter) if pp > 1 else 0.0
         makespan, bubble = critical_path(name, pp, m, v, F, B, W, comm, exact=exact)
@@ -263,17 +264,17 @@ class Pricer:
         dp_exposed, opt_time, worst = per_rank(p, dplan, m, mine, params, B, acts, st["big"], groups, gbytes,
                                                 st["bigt"], (st["eparams"], experts) if experts else None)
         # fxpar's own costs outside the actions (those inside are in F/B/W above): buckets, optimizer tensors
-        runtime = _runtime(self, plan, mine[r0], params, gbytes, world, (n_stages, b, dtype)).total
+        runtime = _runtime(self, dplan, mine[r0], params, gbytes, world, (n_stages, b, dtype)).total
         step = makespan + dp_exposed + opt_time + runtime
         pp_comm = min(max(0.0, makespan - busy[r0]), 2 * (n_stages - 1) * comm)
         idle = max(0.0, makespan - busy[r0] - pp_comm)
         parts = {"compute": compute, "tp_comm": tp_time, "pp_comm": pp_comm, "dp_comm": z3_time + dp_exposed,
                  "bubble": idle, "optimizer": opt_time, "runtime": runtime}
-        ep = ep_part_of(plan, parts, st, mine[r0], m)  # its all-to-alls apart from TP's
+        ep = {**ep_part_of(plan, parts, st, mine[r0], m), **cp_part_of(plan, parts, st, mine[r0], m)}  # apart from TP
         memory = {**worst[1], "activations": int(worst[2]), "buffers": int(worst[3]), "total": int(worst[0])}
         n0 = sum(params[s] for s in mine[r0])
         tp_bytes = m * sum(st["tpsent"][x] for x in mine[r0])
-        inside, across = dp_sent(plan, n0, sum(st["eparams"][s] for s in mine[r0]), m, gbytes, groups, experts)
+        inside, across = dp_sent(dplan, n0, sum(st["eparams"][s] for s in mine[r0]), m, gbytes, groups, experts)
         dp_inter = inside * groups.shard_inter + across * groups.replicas_inter  # of it, over inter-node links
         pp_bytes = max(2 * m * sum(outs[s] for s in st if s < n_stages - 1) for st in mine) if pp > 1 else 0
         tokens = self.batch * c.seq
@@ -326,11 +327,11 @@ def _runtime(self: Pricer, plan: Plan, stages: list[int], params: list, gbytes: 
                                               optimizer_groups=1, busy_ranks=min(world, self.profile.ranks_per_node)))
 
 
-def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbytes, rbytes, prefetch) -> tuple:
+def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbytes, rbytes, prefetch, var=()) -> tuple:
     """ZeRO-3's exposed gather / reduce-scatter time per stage and microbatch (forward, backward):
     each part's bucket is gathered one ahead of use (``prefetch``), so only what its compute cannot
     cover shows; the first bucket of the model always shows."""
-    key = (n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbytes, rbytes, prefetch)
+    key = (n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbytes, rbytes, prefetch, var)
     got = self._stage_cache.get(key)
     if got is not None:
         return got
@@ -342,7 +343,7 @@ def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbyte
         f = bw = 0.0
         for u in range(s, e):
             i, share = self.units[u]
-            k = self.kind(self.names[i], tp, sp, b, rc, world, dtype)
+            k = self.kind(self.names[i], tp, sp, b, rc, world, dtype, *var)
             ck = ("z3", k[5], gbytes, rbytes, dp, inter)
             both = self._kinds.get(ck)
             if both is None:
@@ -360,6 +361,17 @@ def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbyte
     return got
 
 
+def _tp_times(p, part, tp: int, b: int, world: int, share: float) -> tuple[float, float]:
+    """(forward, backward) seconds of ``part``'s TP collectives for a microbatch of ``b`` sequences: each one's
+    alpha-beta, slowed by the ranks computing beside it where they share cores, plus what fxpar's op spends
+    around it on the rank's own core (fxpar.cost.overheads)."""
+    inter = _spans_nodes(world, p.ranks_per_node, 1, tp)
+    slow = comm_share(p, min(world, p.ranks_per_node), tp)
+    times = {d: sum(p.collective_time(k, n * b, tp, inter) / slow + call_time(p, k, n * b) / share
+                    for k, n, dd in part.comm if (dd == "fwd") == (d == "fwd")) for d in ("fwd", "bwd")}
+    return times["fwd"], times["bwd"]
+
+
 def _tp_sent(self: Pricer, name: str, tp: int, sp: bool, b: int) -> float:
     key = ("sent", name, tp, sp, b)
     got = self._kinds.get(key)
@@ -368,10 +380,13 @@ def _tp_sent(self: Pricer, name: str, tp: int, sp: bool, b: int) -> float:
     return got
 
 
-def _variant(self: Pricer, plan: Plan) -> tuple[int, bool, bool]:
-    """What ``plan`` changes in its parts beyond tp: (ep, whether an ep group spans nodes, fused loss)."""
-    inter = _spans_nodes(plan.world_size, self.profile.ranks_per_node, plan.pp * plan.tp, plan.ep)
-    return plan.ep, inter, bool(plan.fused_loss and self.costs.fused is not None)
+def _variant(self: Pricer, plan: Plan) -> tuple[int, bool, bool, int, bool]:
+    """What ``plan`` changes in its parts beyond tp: (ep, whether an ep group spans nodes, fused loss, cp,
+    whether a cp group spans nodes)."""
+    world, rpn = plan.world_size, self.profile.ranks_per_node
+    inter = _spans_nodes(world, rpn, plan.pp * plan.tp, plan.ep)
+    return (plan.ep, inter, bool(plan.fused_loss and self.costs.fused is not None), plan.cp,
+            _spans_nodes(world, rpn, plan.tp, plan.cp))
 
 
 @lru_cache(maxsize=1024)

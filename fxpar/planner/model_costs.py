@@ -39,6 +39,7 @@ from fxpar.ir.placement import Partial
 from fxpar.ir.program import Program, iter_nodes, subgraphs_of
 from fxpar.passes.pipeline_split import loss_position
 from fxpar.passes.tensor_parallel import tensor_parallel
+from fxpar.planner.cp_costs import read_attention
 from fxpar.planner.shorten import (
     Shortened,
     full_copy,
@@ -68,6 +69,7 @@ class RankPart:
     # layer with "{}" for the layer's index, "model.layers.{}.mlp"); empty: unknown
     units: list[tuple[int, int, int, str | None]] = field(default_factory=list)
     experts: object = None  # its expert layers (fxpar.cost.experts.Experts, tp=1 parts; None: none)
+    attention: object = None  # what context parallelism gathers (fxpar.cost.context_parallel.Attention; None: none)
     # parameters it reads that ``params`` counts in another part: name -> (that part, entries on this tp rank).
     # Only the weights "pre" and "post" share (a tied embedding and head): a pipeline stage running "post"
     # without "pre" holds its own copy, its gradient and optimizer state (runtime/tied.py)
@@ -213,12 +215,14 @@ def _rank_parts(program: Program, units: bool = False) -> tuple[dict[str, RankPa
     rows: dict[str, list] = {k: [] for k in names}
     members: dict[str, set[str]] = {k: set() for k in names}
     end: dict[str, int] = {}
+    first: dict[torch.fx.Node, tuple[str, int]] = {}  # node -> (its part, its first row there)
     prev = None
     for i, node in enumerate(top_nodes(program)):
         part = assign[node]
         if units and (part != prev or i in cands):  # a segment begins: at a part's start or a candidate
             segs[part].append((len(rows[part]), cross[i], gcross[i], _relative(cands.get(i), part)))
         prev = part
+        first[node] = (part, len(rows[part]))
         rows[part].extend(_node_rows(program, node, weights))
         members[part].add(node.name)
         end[where[node]] = i + 1  # a pipeline cut after the part: where its last node stands
@@ -242,11 +246,12 @@ def _rank_parts(program: Program, units: bool = False) -> tuple[dict[str, RankPa
             comm[part].extend((c, int(nb), direction) for c, nb in payloads(kind, node, backward=backward))
     acts = part_activations(program, top_nodes(program), assign, names)
     grads, outs = backward_grads(program, assign), kept_outputs(program, assign)
+    attention = read_attention(program, assign, first)
     parts = {}
     for k in names:
         out = 0 if k == "post" else cross[end.get(k, 0)]
         parts[k] = RankPart(rows[k], params[k], comm[k], acts[k], out, grads.get(k, 0), outs.get(k, 0), segs[k],
-                            borrowed=borrowed[k])
+                            borrowed=borrowed[k], attention=attention.get(k))
     return parts, order
 
 
