@@ -1,7 +1,9 @@
 """Context parallelism (``Plan(cp=N)``) on gloo ranks against one process: the loss, the gradient norm and
 every parameter after an SGD step of learning rate 1 (so every gradient entry) equal the single-process run's,
 on a grouped-query Llama with a packed batch of several documents per row (position ids restarting) and
-ignored labels, alone and with dp, ZeRO, tp and pp."""
+ignored labels, alone and with dp, ZeRO, tp and pp, on a Gemma-2 (sliding-window layers, soft-capped eager
+attention) and a Mistral (a sliding window on every layer); evaluation gives the unsplit loss, generation is
+refused; each layer's key/value bytes equal the theory."""
 
 from __future__ import annotations
 
@@ -94,6 +96,8 @@ def cp_training(name: str, plan: str, batch: int, seq: int, packed: bool) -> dic
     ("llama", "cp=4", False),
     ("llama", "cp=2,tp=2", True),
     ("llama", "cp=2,pp=2", False),
+    ("gemma2", "cp=2", True),  # sliding-window layers, soft-capped eager attention, tied embeddings
+    ("mistral", "dp=2,cp=2,zero=1", True),  # sliding window over every layer
 ])
 def test_context_parallel_trains_as_one_process(pool2, pool4, name, plan, packed):
     world = fxpar.Plan.parse(plan).world_size
