@@ -22,7 +22,7 @@ from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
 from fxpar.ir.resolved import microbatch_size
 from fxpar.ir.schedule import SCHEDULE_RECORDS
-from fxpar.planner.space import divisors, factorisations, microbatch_options, schedule_variants, variants
+from fxpar.planner.space import cp_options, divisors, factorisations, microbatch_options, schedule_variants, variants
 
 __all__ = ["AutoPlan", "baseline_plan", "describe", "search"]
 
@@ -48,6 +48,8 @@ def describe(plan: Plan) -> str:
     out = f"dp={plan.dp} pp={plan.pp} tp={plan.tp} zero={plan.zero} m={plan.microbatches}"
     if plan.ep > 1:
         out += f" ep={plan.ep}"
+    if plan.cp > 1:
+        out += f" cp={plan.cp}"
     if plan.dp_replicate > 1:
         out += f" dp_replicate={plan.dp_replicate}"
     if plan.comm_dtype:
@@ -66,7 +68,7 @@ def describe(plan: Plan) -> str:
 def _key(e: Estimate) -> tuple:
     p = e.plan
     return (round(e.step_time, 9), p.pp, p.tp, p.zero, p.recompute != "none", p.microbatches or 0,
-            p.schedule, p.sequence_parallel, p.recompute, p.dp_replicate, p.ep, p.comm_dtype or "", p.fused_loss)
+            p.schedule, p.sequence_parallel, p.recompute, p.dp_replicate, p.ep, p.comm_dtype or "", p.fused_loss, p.cp)
 
 
 @dataclass
@@ -202,6 +204,13 @@ def search(costs, world: int, profile, *, global_batch: int, memory_per_rank: in
                 excluded.append((describe(plan), f"invalid: {e}"))
     else:
         priced, excluded = _explore(costs, world, global_batch, pricer, rpn, cross_node_tp=False, int8=int8)
+        # context parallelism for long sequences, or where nothing fits without it (fxpar.planner.space.cp_options)
+        for cp in cp_options(costs, world, rpn, needed=not any(e.fits for e in priced)):
+            try:  # cp x tp within a node (the cp ranks are next to the tp ranks: fxpar.ir.mesh)
+                more, why = _explore(costs, world, global_batch, pricer, max(1, rpn // cp), cross_node_tp=False, cp=cp)
+            except PlanError as e:
+                more, why = [], [(f"cp={cp}", f"divisibility: {e}")]
+            priced, excluded = priced + more, excluded + [(f"cp={cp} {w}", r) for w, r in why]
         if not any(e.fits for e in priced):
             more, _ = _explore(costs, world, global_batch, pricer, rpn, cross_node_tp=True, int8=int8)
             priced += [e for e in more if e.plan.tp > rpn]
@@ -237,8 +246,10 @@ def search(costs, world: int, profile, *, global_batch: int, memory_per_rank: in
                     time.perf_counter() - t0, excluded, global_batch)
 
 
-def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=False):
-    triples, excluded = factorisations(costs, world, global_batch, ranks_per_node=rpn, cross_node_tp=cross_node_tp)
+def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=False, cp=1):
+    """The first and second passes over ``dp x pp x tp = world / cp`` (each plan with ``cp``)."""
+    triples, excluded = factorisations(costs, world // cp, global_batch, ranks_per_node=rpn,
+                                       cross_node_tp=cross_node_tp)
     if not triples:
         raise _no_factorisation(costs, world, global_batch, excluded, rpn)
     priced: list[Estimate] = []
@@ -254,11 +265,11 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=Fal
         # HSDP (dp_replicate > 1) with ZeRO where the dp group spans nodes: shard groups inside a node; ep for
         # models with expert layers, carved out of the dp replicas (fxpar.planner.space.variants)
         sps_here = [sp for sp in sps if (tp, sp) in costs.parts["pre"] and not (sp and (tp == 1 or sp_ok.get(tp)))]
-        vs = variants(costs, dp, pp * tp, tp, rpn, sps_here, int8=int8)
+        vs = variants(costs, dp, pp * tp, tp, rpn, sps_here, int8=int8, cp=cp)
         for m in ms:
             for sp, z, rc, r, e, q in vs:
                 plan = Plan(dp=dp // e, ep=e, pp=pp, tp=tp, zero=z, microbatches=m, sequence_parallel=sp,
-                            recompute=rc, schedule="1f1b", dp_replicate=r, comm_dtype=q)
+                            recompute=rc, schedule="1f1b", dp_replicate=r, comm_dtype=q, cp=cp)
                 first.setdefault(m, []).append(pricer.price(plan, exact=False))
         for est in first.values():
             priced += est
@@ -268,7 +279,7 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=Fal
         for m in best_m[:KEEP_M]:
             if not any(e.fits for e in first[m]):
                 continue
-            base = Plan(dp=dp, pp=pp, tp=tp, microbatches=m)
+            base = Plan(dp=dp, pp=pp, tp=tp, microbatches=m, cp=cp)
             others = tuple(n for n, r in SCHEDULE_RECORDS.items() if r.searched and n != base.schedule)
             got, why = schedule_variants(base, others, len(costs.layers) + 2)
             excluded += why

@@ -1,8 +1,9 @@
 """The plan space the planner searches: every ``dp x pp x tp = world`` factorisation the model allows, each
 with ZeRO 0-3 (with ZeRO, HSDP's ``dp_replicate`` where the dp group spans nodes:
 :func:`fxpar.planner.dp_groups.replica_options`), sequence parallelism (tp > 1), microbatch counts the
-global batch divides into, pipeline schedules with their virtual stages, and recompute policies. What cannot run
-is kept with its reason (``(what, reason)``), so the planner can say why a degree never appeared.
+global batch divides into, pipeline schedules with their virtual stages, and recompute policies; for long
+sequences, context parallelism (:func:`cp_options`: ``dp x pp x cp x tp = world``). What cannot run is kept with
+its reason (``(what, reason)``), so the planner can say why a degree never appeared.
 """
 
 from __future__ import annotations
@@ -15,12 +16,27 @@ from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import RECOMPUTE, Plan
 from fxpar.planner.dp_groups import replica_options
 
-__all__ = ["candidates", "divisors", "ep_options", "factorisations", "microbatch_options", "schedule_variants",
-           "variants"]
+__all__ = ["CP_MIN_SEQ", "candidates", "cp_options", "divisors", "ep_options", "factorisations", "microbatch_options",
+           "schedule_variants", "variants"]
+
+
+CP_MIN_SEQ = 4096  # from this sequence length on cp is searched; below it only where no plan without cp fits
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def cp_options(costs, world: int, ranks_per_node: int, needed: bool = False) -> list[int]:
+    """Context-parallel degrees above 1 to search for ``world`` ranks: each divisor of the world whose ``2 cp``
+    chunks divide the sequence (``passes/context_parallel.py`` cuts each sequence so), for a model whose
+    attention the costs found, at sequences of at least :data:`CP_MIN_SEQ` tokens or where ``needed`` (no plan
+    without cp fits). A cp group within a node (every layer gathers its keys and values over it; the search
+    then keeps ``cp x tp`` within a node), unless ``needed``."""
+    attends = any(p.attention and p.attention.gathers for by in costs.parts.values() for p in by.values())
+    if not attends or (costs.seq < CP_MIN_SEQ and not needed):
+        return []
+    return [c for c in divisors(world) if c > 1 and costs.seq % (2 * c) == 0 and (needed or c <= ranks_per_node)]
 
 
 def factorisations(costs, world: int, global_batch: int, *, ranks_per_node: int,
@@ -66,11 +82,15 @@ def ep_options(costs, replicas: int, tp: int) -> list[int]:
 
 
 def variants(costs, replicas: int, inner: int, tp: int, ranks_per_node: int, sps, recompute=RECOMPUTE,
-             zero=(0, 1, 2, 3), int8: bool = False) -> list[tuple]:
+             zero=(0, 1, 2, 3), int8: bool = False, cp: int = 1) -> list[tuple]:
     """``(sequence_parallel, zero, recompute, dp_replicate, ep, comm_dtype)`` for ``replicas`` data replicas
     ``inner`` (pp x tp) ranks apart: ZeRO where there is more than one replica (not ZeRO-3 with ep); with
     ZeRO and ep=1, HSDP's ``dp_replicate`` (:func:`replica_options`); with ``int8``, ZeRO-3 over a shard group
-    of more than one rank also with int8 gathers (``comm_dtype="int8"``: lossy, so only when asked for)."""
+    of more than one rank also with int8 gathers (``comm_dtype="int8"``: lossy, so only when asked for).
+    With ``cp > 1`` (``Plan`` refuses ep, HSDP and sequence parallelism with it): ZeRO over the ``dp x cp``
+    ranks and recompute only."""
+    if cp > 1:
+        return [(False, z, rc, 1, 1, None) for z in zero for rc in recompute] if False in sps else []
     out = []
     for e in ep_options(costs, replicas, tp):
         dp = replicas // e
