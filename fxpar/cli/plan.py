@@ -65,6 +65,9 @@ def cmd_plan(args) -> int:
     if plan.ep > 1:  # expert parallelism sits between dp and pp (fxpar.ir.mesh)
         mesh = (f"DeviceMesh(({dp_axis}={plan.dp}, ep={plan.ep}, pp={plan.pp}, tp={plan.tp}), 'cpu', "
                 f"stride=({plan.ep * plan.pp * plan.tp}, {plan.pp * plan.tp}, {plan.tp}, 1))")
+    if plan.cp > 1:  # context parallelism sits between pp and tp (fxpar.ir.mesh)
+        mesh = (f"DeviceMesh(({dp_axis}={plan.dp}, pp={plan.pp}, cp={plan.cp}, tp={plan.tp}), 'cpu', "
+                f"stride=({plan.pp * plan.cp * plan.tp}, {plan.cp * plan.tp}, {plan.tp}, 1))")
     print(f"plan {plan.to_dict()} on {plan.world_size} ranks, mesh {mesh}; rank 0 shown")
     print(f"predicted times are for {profile.name} ({why}); --device names another profile")
     print(report.to_text())

@@ -210,7 +210,9 @@ def search(costs, world: int, profile, *, global_batch: int, memory_per_rank: in
                 more, why = _explore(costs, world, global_batch, pricer, max(1, rpn // cp), cross_node_tp=False, cp=cp)
             except PlanError as e:
                 more, why = [], [(f"cp={cp}", f"divisibility: {e}")]
-            priced, excluded = priced + more, excluded + [(f"cp={cp} {w}", r) for w, r in why]
+            why = [(f"cp={cp} {w}", f"topology: cp={cp} x {w} spans nodes of {rpn} ranks" if r.startswith("topology")
+                    else r) for w, r in why]
+            priced, excluded = priced + more, excluded + why
         if not any(e.fits for e in priced):
             more, _ = _explore(costs, world, global_batch, pricer, rpn, cross_node_tp=True, int8=int8)
             priced += [e for e in more if e.plan.tp > rpn]
