@@ -23,7 +23,7 @@ from fxpar.ir.op_classes import (
     is_pointwise,
 )
 from fxpar.ir.ops import collective_kind
-from fxpar.passes.cp_rules import PARTIAL, SDPA, Sh, packet, seq_dim_after, shape_of, tensor_args
+from fxpar.passes.cp_rules import PARTIAL, SDPA, Sh, seq_dim_after, shape_of, tensor_args
 
 aten = torch.ops.aten
 fxpar_ops = torch.ops.fxpar
@@ -45,7 +45,7 @@ def rule_for(node: torch.fx.Node, op):
         return view
     if op is aten.linear:
         return linear
-    if op in ACTIVATION_PRODUCTS:
+    if op in ACTIVATION_PRODUCTS or op is aten.addmm:
         return product
     if op in LAST_DIM_NORMS or op in DIM_REDUCTIONS:
         return reduction
@@ -92,17 +92,22 @@ def view(rw, node, op) -> None:
     rw.state[node] = out
 
 def pointwise(rw, node, op) -> None:
+    """Broadcasting elementwise: whole inputs cut where the sequence lies. An elementwise autograd.Function
+    returns a list of outputs of one shape: each output has the state."""
     xs = dict.fromkeys(tensor_args(node))
     partial = [x for x in xs if rw.state.get(x) == PARTIAL]
     if partial:
         return partial_arith(rw, node, op, xs)
-    nd = len(shape_of(node) or ())
+    val = node.meta.get(meta.VAL)
+    outs = val if isinstance(val, (list, tuple)) else None
+    shape = shape_of(node) or next((tuple(v.shape) for v in outs or () if isinstance(v, torch.Tensor)), ())
+    nd = len(shape)
     sh = [(x, rw.state[x]) for x in xs if isinstance(rw.state.get(x), Sh)]
     x0, s0 = sh[0]
     want = Sh(s0.dim + nd - len(shape_of(x0)), s0.outer)
-    if not rw.aligned(node, want):
+    if not rw.aligned(node, want, nd):
         return rw.fallback(node)
-    rw.state[node] = want
+    rw.state[node] = want if outs is None else tuple(want for _ in outs)
 
 def partial_arith(rw, node, op, xs) -> None:
     """A partial sum times or over a whole value stays partial, as does a sum of partials; a whole value
@@ -129,13 +134,26 @@ def linear(rw, node, op=None) -> None:
     rw.state[node] = s
 
 def product(rw, node, op=None) -> None:
-    a, b = node.args[:2] if packet(node) is not aten.baddbmm else node.args[1:3]
-    rw.whole(node, b)  # keys (or values) not gathered at a root: gathered here
+    """``a @ b`` with ``a``'s rows sharded: ``b`` (keys or values not gathered at a root) made whole; the
+    added input of ``baddbmm`` / ``addmm`` (a bias, or the zeros eager attention starts its scores from) cut
+    to this rank's rows where it spans them."""
+    added = op in (aten.baddbmm, aten.addmm)
+    a, b = node.args[1:3] if added else node.args[:2]
+    rw.whole(node, b)
     s = rw.input_state(node, a)
     nd_a = len(shape_of(a))
     if not isinstance(s, Sh) or s.dim == nd_a - 1:
         return rw.fallback(node)
-    rw.state[node] = Sh(s.dim + len(shape_of(node)) - nd_a, s.outer)
+    out = Sh(s.dim + len(shape_of(node)) - nd_a, s.outer)
+    if added:
+        c, shape = node.args[0], shape_of(node.args[0])
+        at = out.dim - (len(shape_of(node)) - len(shape))
+        if rw.input_state(node, c) is not None or (at >= 0 and shape[at] not in (1, out.outer * rw.l.seq)):
+            return rw.fallback(node)
+        if at >= 0 and shape[at] > 1:
+            with rw.g.inserting_before(node):
+                node.update_arg(0, rw.cut(c, at, out.outer))
+    rw.state[node] = out
 
 def reduction(rw, node, op) -> None:
     x = node.args[0]
@@ -219,6 +237,7 @@ def attention(rw, node, op=None) -> None:
     node.args = tuple(args)
     rw.state[node] = s
     rw.res.attention.append(node.name)
+
 
 def causal_mask(rw, q) -> torch.fx.Node:
     """``[2c, seq]`` booleans: query position (this rank's rows) >= key position (built once, before the

@@ -130,10 +130,10 @@ class Rewriter:
             return None
         return self.state.get(x)
 
-    def aligned(self, node, want: Sh) -> bool:
-        """Cut each whole input spanning the sequence at ``want`` (aligned from the right, as broadcasting
-        does); False where a sharded input sits elsewhere."""
-        nd = len(shape_of(node))
+    def aligned(self, node, want: Sh, nd: int | None = None) -> bool:
+        """Cut each whole input spanning the sequence at ``want`` of ``node``'s ``nd`` dims (aligned from the
+        right, as broadcasting does); False where a sharded input sits elsewhere."""
+        nd = len(shape_of(node)) if nd is None else nd
         for x in dict.fromkeys(tensor_args(node)):
             s, shape = self.state.get(x), shape_of(x)
             if shape is None:

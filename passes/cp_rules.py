@@ -35,18 +35,43 @@ def shape_of(node) -> tuple | None:
 
 
 def user_input_of(node, program) -> torch.fx.Node | None:
-    """The user-input placeholder ``node`` is, through views and elementwise index arithmetic (a vocabulary-
-    parallel embedding shifts and masks the ids first), else None."""
+    """The user-input placeholder ``node`` is, through views and elementwise index arithmetic, else None:
+    a vocabulary-parallel embedding shifts and masks the ids first; a model with placeholder tokens (image,
+    audio) replaces them by ``where(mask, 0, ids)`` or ``ids[mask] = 0`` (the ids may be any argument of the
+    shape of the result, not only the first); ids of several rows per sequence (codebooks) are picked by a
+    ``select`` or ``slice`` of a dim other than the last (the sequence stays last)."""
     bound = {b.placeholder: b for b in program.inputs}
-    while isinstance(node, torch.fx.Node):
+    seen: set[torch.fx.Node] = set()
+    todo = [node]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, torch.fx.Node) or node in seen:
+            continue
+        seen.add(node)
         if node.op == "placeholder":
             b = bound.get(node.name)
-            return node if b is not None and b.kind == "user" else None
-        index_arithmetic = packet(node) in SAME_ORDER_RESHAPES | ELEMENTWISE_LIKE or is_pointwise(node)
-        if node.op != "call_function" or not index_arithmetic:
-            return None
-        node = node.args[0]
+            if b is not None and b.kind == "user":
+                return node
+            continue
+        if node.op != "call_function":
+            continue
+        op, shape = packet(node), shape_of(node)
+        nd_in = len(shape_of(node.args[0]) or ()) if node.args else 0
+        if op in SAME_ORDER_RESHAPES or op in (aten.index_put, aten.index_put_) and masked_write(node):
+            todo.append(node.args[0])
+        elif op in (aten.select, aten.slice) and nd_in > 1 and \
+                (node.args[1] if len(node.args) > 1 else 0) % nd_in != nd_in - 1:
+            todo.append(node.args[0])
+        elif op in ELEMENTWISE_LIKE or is_pointwise(node):
+            todo.extend(a for a in tensor_args(node) if shape_of(a) == shape)
     return None
+
+
+def masked_write(node: torch.fx.Node) -> bool:
+    """``index_put(x, [mask], v)`` with one boolean mask of ``x``'s shape: elementwise (``where(mask, v, x)``)."""
+    idx = node.args[1]
+    return len(idx) == 1 and isinstance(idx[0], torch.fx.Node) and shape_of(idx[0]) == shape_of(node) and \
+        idx[0].meta[meta.VAL].dtype == torch.bool
 
 
 @dataclass(frozen=True)
@@ -114,10 +139,12 @@ def kv_roots(gm: torch.fx.GraphModule, program) -> dict[torch.fx.Node, list[tupl
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
+        first = 1 if packet(n) is aten.baddbmm else 0  # baddbmm(scores, q, k^T): its product's operands follow
         if packet(n) is SDPA:
             operands = [1, 2]
-        elif packet(n) in ACTIVATION_PRODUCTS and all(a in tainted for a in n.args[:2] if isinstance(a, torch.fx.Node)):
-            operands = [1]
+        elif packet(n) in ACTIVATION_PRODUCTS and \
+                all(a in tainted for a in n.args[first:first + 2] if isinstance(a, torch.fx.Node)):
+            operands = [first + 1]
         else:
             continue
         for pos in operands:
@@ -125,7 +152,7 @@ def kv_roots(gm: torch.fx.GraphModule, program) -> dict[torch.fx.Node, list[tupl
             if not isinstance(o, torch.fx.Node) or o not in tainted:
                 continue
             reader, cur = (n, pos), o
-            while packet(cur) in LAYOUT_CHAIN and len(cur.users) == 1 and cur is not n.args[0] \
+            while packet(cur) in LAYOUT_CHAIN and len(cur.users) == 1 and cur is not n.args[first] \
                     and cur.args[0] in tainted:
                 reader, cur = (cur, 0), cur.args[0]
             roots.setdefault(cur, []).append(reader)
