@@ -9,7 +9,8 @@ collective matmul hides them behind the chunks), the pipeline schedule's critica
 fp32 gradient buckets as they fill during the last microbatch's backward (ZeRO-1/2 then all-gather the
 updated fp32 shards), ZeRO-3 (``runtime/zero3.py``) gathers every layer's bucket in each microbatch's
 forward and again in its backward and reduce-scatters its gradient, one bucket ahead of use; HSDP's shard
-and replica groups are priced each on its own link (:mod:`fxpar.cost.data_parallel`). Memory is
+and replica groups are priced each on its own link (:mod:`fxpar.cost.data_parallel`); expert and context
+parallelism change each part as :mod:`fxpar.cost.experts` and :mod:`fxpar.cost.context_parallel` say. Memory is
 fp32 master state by ZeRO stage (:func:`fxpar.cost.memory.state_bytes`, AdamW: 2 states), the
 activations of the microbatches the schedule keeps in flight (plus the backward's transient: recomputed
 forward and the gradients alive at once, largest at the loss; and the program's outputs, kept to the
@@ -54,10 +55,10 @@ __all__ = ["Estimate", "Pricer", "price_plan"]
 class Estimate:
     plan: Plan
     step_time: float  # seconds per optimizer step (global batch)
-    parts: dict[str, float]  # compute, tp_comm, pp_comm, dp_comm (exposed), bubble (idle), optimizer
+    parts: dict[str, float]  # compute, tp_comm, pp_comm, dp_comm (exposed), bubble, optimizer, runtime[, ep/cp_comm]
     bubble: float  # fraction of the step a pipeline rank idles
     memory: dict[str, int]  # bytes on the fullest rank: params, grads, optimizer, activations, buffers, total
-    comm_bytes: dict[str, int]  # bytes one rank sends per step: tp, pp, dp (dp_inter: of dp, across nodes)
+    comm_bytes: dict[str, int]  # bytes one rank sends per step: tp, pp, dp (dp_inter: of dp, across nodes)[, ep, cp]
     mfu: float
     tokens_per_s: float
     fits: bool
