@@ -224,6 +224,7 @@ def attention(rw, node, op=None) -> None:
         return rw.fallback(node)
     args = list(node.args)
     mask, causal = args[3], args[5]
+    boolean = causal or (isinstance(mask, torch.fx.Node) and mask.meta[meta.VAL].dtype == torch.bool)
     if isinstance(mask, torch.fx.Node) and rw.state.get(mask) is None and \
             shape_of(mask)[-2] == s.outer * rw.l.seq:
         with rw.g.inserting_before(node):
@@ -234,10 +235,21 @@ def attention(rw, node, op=None) -> None:
         with rw.g.inserting_before(node):
             args[3] = causal_mask(rw, q)
         args[5] = False
+    if boolean:
+        with rw.g.inserting_before(node):
+            args[3] = additive(rw, args[3])
     node.args = tuple(args)
     rw.state[node] = s
     rw.res.attention.append(node.name)
 
+
+def additive(rw, mask: torch.fx.Node) -> torch.fx.Node:
+    """A boolean mask as the additive fp32 mask SDPA makes of it, once for every attention reading it: SDPA
+    converts a boolean mask on each call and keeps each layer's copy for backward (measured on this CPU: an
+    8-layer Llama at 2,048 tokens held 8 such ``[seq, seq]`` fp32 copies, 128 MiB); one shared copy is held once."""
+    if ("additive", mask) not in rw.cuts:
+        rw.cuts[("additive", mask)] = rw.call(aten.where.Scalar, mask, 0.0, float("-inf"))
+    return rw.cuts[("additive", mask)]
 
 def causal_mask(rw, q) -> torch.fx.Node:
     """``[2c, seq]`` booleans: query position (this rank's rows) >= key position (built once, before the
