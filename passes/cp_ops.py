@@ -20,6 +20,7 @@ from fxpar.ir.op_classes import (
     LAST_DIM_NORMS,
     SAME_ORDER_RESHAPES,
     SHAPE_ARG_OPS,
+    SPLITS,
     is_pointwise,
 )
 from fxpar.ir.ops import collective_kind
@@ -53,6 +54,10 @@ def rule_for(node: torch.fx.Node, op):
         return pointwise
     if op is aten.cat:
         return concat
+    if op is aten.stack:
+        return stack
+    if op in SPLITS or op is aten.unbind:
+        return split
     if op is aten.gather:
         return take_along
     return None
@@ -207,6 +212,35 @@ def concat(rw, node, op=None) -> None:
             not rw.aligned(node, sh[0]):
         return rw.fallback(node)
     rw.state[node] = sh[0]
+
+def stack(rw, node, op=None) -> None:
+    """Inputs of one shape stacked along a new dim: the sequence moves past it; whole inputs cut to match."""
+    xs, nd = node.args[0], len(shape_of(node))
+    dim = (node.args[1] if len(node.args) > 1 else 0) % nd
+    sh = [rw.state.get(x) for x in xs if rw.state.get(x) is not None]
+    if PARTIAL in sh or len(set(sh)) != 1:
+        return rw.fallback(node)
+    s = sh[0]
+    for x in dict.fromkeys(xs):
+        if rw.state.get(x) is None:
+            with rw.g.inserting_before(node):
+                node.replace_input_with(x, rw.cut(x, s.dim, s.outer))
+    rw.state[node] = Sh(s.dim + (dim <= s.dim), s.outer)
+
+
+def split(rw, node, op=None) -> None:
+    """Pieces along another dim than the sequence (a fused projection's q, k, v): each keeps the state
+    (``unbind`` drops its dim)."""
+    x = node.args[0]
+    s = rw.input_state(node, x)
+    nd = len(shape_of(x))
+    pos = 1 if op is aten.unbind else 2
+    dim = (node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", 0)) % nd
+    if not isinstance(s, Sh) or dim == s.dim:
+        return rw.fallback(node)
+    out = Sh(s.dim - (op is aten.unbind and dim < s.dim), s.outer)
+    rw.state[node] = tuple(out for _ in node.meta[meta.VAL])
+
 
 def attention(rw, node, op=None) -> None:
     """This rank's query rows against every key: the keys and values whole (gathered at their root, or
