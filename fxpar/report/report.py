@@ -12,6 +12,7 @@ from fxpar.ir.program import Program
 from fxpar.ir.rank_view import RankView, view_of
 from fxpar.report import budget
 from fxpar.report.collectives import collective_rows, format_collective_rows
+from fxpar.report.context_parallel import cp_rows, cp_table
 from fxpar.report.graph import graph_text, module_text, partition_dot, write_dot, write_picture
 from fxpar.report.kernels import format_kernel_rows, kernel_rows
 from fxpar.report.stages import format_stage_table, predicted_step, stage_rows
@@ -151,6 +152,8 @@ class Report:
                 text += f"\n\ntensor parallel: tp={plan.tp}, collectives of this rank\n\n" + self.collective_table()
                 cov = self.tp_coverage()
                 text += "\n\n" + cov.to_text() if cov is not None else ""
+            if plan.cp > 1:
+                text += "\n\n" + cp_table(c)
             if plan.dp > 1 or plan.zero:
                 text += "\n\n" + self.data_parallel_table()
             elif c.memory:
@@ -187,7 +190,7 @@ class Report:
                 "stages": self.stages, "predicted": predicted_step(self.compiled),
                 "collectives": self.collectives(), "data_parallel": self.data_parallel(),
                 "flops": budget.stage_flops(self.compiled), "communication": self.communication(),
-                "kernels": self.kernels(),
+                "kernels": self.kernels(), "context_parallel": cp_rows(self.compiled),  # [] without cp
                 "tp_coverage": getattr(self.tp_coverage(), "to_dict", dict)()}  # {} without TP
                if self.compiled is not None else {}),
         }

@@ -83,7 +83,10 @@ def cp_training(name: str, plan: str, batch: int, seq: int, packed: bool) -> dic
         refused = ""
     except PlanError as e:
         refused = str(e)
-    return {"loss": abs(loss.item() - ref.item()), "weights": diff, "moved": moved,
+    shown = fxpar.inspect(compiled, quiet=True)  # the report's gathers: per microbatch, this rank's stages
+    reported = sum(row["bytes"] for row in shown.to_dict()["context_parallel"]) * compiled.m
+    assert f"cp={compiled.plan.cp}, this rank is cp rank" in shown.to_text()
+    return {"loss": abs(loss.item() - ref.item()), "weights": diff, "moved": moved, "reported": reported,
             "norm": abs(compiled.last_grad_norm - norm) / norm, "eval": evaluated, "logits": logits,
             "kv": tap.bytes, "kv_theory": kv_theory(name, batch // compiled.plan.dp, seq), "refused": refused}
 
@@ -107,6 +110,7 @@ def test_context_parallel_trains_as_one_process(pool2, pool4, name, plan, packed
         assert r["moved"] > 1e-3, r  # the step really changed the weights
         assert r["eval"] <= TOL and r["logits"] <= TOL, r
         assert "splits each sequence" in r["refused"], r["refused"]
+        assert r["reported"] == r["kv"]["all_gather_rs_bwd"], r  # fxpar inspect shows every gather it ran
     # every layer's whole keys and values (KV heads only) gathered once per cp rank, reduce-scattered once back;
     # a TP rank gathers its heads, a pipeline rank its stage's layers: over all ranks, dp x cp times each
     p = fxpar.Plan.parse(plan)
