@@ -263,6 +263,9 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=Fal
             excluded.append((f"dp={dp} x pp={pp} x tp={tp}", f"divisibility: {global_batch // dp} sequences per "
                              f"replica cannot make {pp} microbatches"))
             continue
+        # cp where a microbatch's sequences divide over the cp ranks is dominated: dp x cp replicas compute as
+        # much with no KV gathers and less memory (the whole keys and values), their gradients over as many ranks
+        ms = [m for m in ms if cp == 1 or microbatch_size(global_batch, dp, m) % cp]
         first: dict[int, list[Estimate]] = {}
         # HSDP (dp_replicate > 1) with ZeRO where the dp group spans nodes: shard groups inside a node; ep for
         # models with expert layers, carved out of the dp replicas (fxpar.planner.space.variants)
