@@ -205,9 +205,11 @@ def search(costs, world: int, profile, *, global_batch: int, memory_per_rank: in
     else:
         priced, excluded = _explore(costs, world, global_batch, pricer, rpn, cross_node_tp=False, int8=int8)
         # context parallelism for long sequences, or where nothing fits without it (fxpar.planner.space.cp_options)
-        for cp in cp_options(costs, world, rpn, needed=not any(e.fits for e in priced)):
-            try:  # cp x tp within a node (the cp ranks are next to the tp ranks: fxpar.ir.mesh)
-                more, why = _explore(costs, world, global_batch, pricer, max(1, rpn // cp), cross_node_tp=False, cp=cp)
+        needed = not any(e.fits for e in priced)
+        for cp in cp_options(costs, world, rpn, needed=needed):
+            try:  # cp x tp within a node (the cp ranks are next to the tp ranks: fxpar.ir.mesh) unless needed
+                more, why = _explore(costs, world, global_batch, pricer, rpn if needed else max(1, rpn // cp),
+                                     cross_node_tp=False, cp=cp)
             except PlanError as e:
                 more, why = [], [(f"cp={cp}", f"divisibility: {e}")]
             why = [(f"cp={cp} {w}", f"topology: cp={cp} x {w} spans nodes of {rpn} ranks" if r.startswith("topology")
