@@ -36,7 +36,8 @@ def check_world(plan: Plan, world: int) -> None:
     else:
         how = f"launch with torchrun --nproc_per_node {need} or change the degrees"
     ep = f" x ep={plan.ep}" if plan.ep > 1 else ""
-    raise PlanError(f"plan dp={plan.dp}{ep} x pp={plan.pp} x tp={plan.tp} needs {need} ranks, but the world has "
+    cp = f" x cp={plan.cp}" if plan.cp > 1 else ""
+    raise PlanError(f"plan dp={plan.dp}{ep} x pp={plan.pp}{cp} x tp={plan.tp} needs {need} ranks, but the world has "
                     f"{world}: {how}", values={"ranks needed": need, "world": world})
 
 
