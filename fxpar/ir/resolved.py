@@ -83,7 +83,8 @@ def resolve(plan, world: int, batch: int) -> Resolved:
     divide into microbatches x replicas, or the schedule cannot run them."""
     if plan.world_size != world:
         raise PlanError(f"plan dp={plan.dp} x ep={plan.ep} x pp={plan.pp} x cp={plan.cp} x tp={plan.tp} needs "
-                        f"{plan.world_size} ranks, but the world has {world}", fix="change the degrees or the world size")
+                        f"{plan.world_size} ranks, but the world has {world}",
+                        fix="change the degrees or the world size")
     name = sched.normalize_schedule(plan.schedule)
     v = sched.stages_per_rank(name, plan.virtual_stages)
     n_stages = plan.pp * v
