@@ -24,7 +24,7 @@ def _costs(seq):
     model = zoo.build("llama", seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return model, model_costs(model, seq, tp_degrees=(1,), sequence_parallel=(False,))
+        return model, model_costs(model, seq, tp_degrees=(1, 2) if seq == SEQ else (1,), sequence_parallel=(False,))
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,10 @@ def test_kv_bytes_per_attention_layer_are_the_other_ranks_share_of_the_kv_heads(
     assert e.parts["cp_comm"] > 0 and "cp" not in pricer.price(Plan()).comm_bytes
     # gradients reduce over the cp ranks (dp=1): an all-reduce of every fp32 gradient
     assert e.comm_bytes["dp"] == pytest.approx(sent_bytes("all_reduce", 4 * costs.params, cp), rel=1e-9)
+    # with tp=2 each rank gathers its half of the KV heads
+    assert costs.part(costs.layers[0], 2).attention.kv * batch == kv // 2
+    layers = cfg.num_hidden_layers * 2 * per_layer / 2
+    assert pricer.price(Plan(cp=cp, tp=2)).comm_bytes["cp"] == int(layers + sent_bytes("all_reduce", LOSS_BYTES, cp))
 
 
 def test_zero_shards_over_dp_x_cp_and_cp_must_cut_the_sequence_evenly(llama):
