@@ -160,7 +160,8 @@ def test_plan_auto_on_the_70b_config_for_1024_h100s():
     print(f"fxpar plan --auto (70B, 1024 x h100-80gb): {wall:.1f} s wall")
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
-    plans = re.findall(r"dp=(\d+)\D+pp=(\d+)\D+tp=(\d+)(?:(?:[ ,][^ ,:]+)*?[ ,]cp=(\d+))?", out)  # (cp: seq 8192 searches it)
+    # each plan's ranks, cp's included (seq 8192 searches it)
+    plans = re.findall(r"dp=(\d+)\D+pp=(\d+)\D+tp=(\d+)(?:(?:[ ,][^ ,:]+)*?[ ,]cp=(\d+))?", out)
     assert plans and all(int(d) * int(p) * int(t) * int(c or 1) == 1024 for d, p, t, c in plans), out[-3000:]
     chosen = re.search(r"^chosen plan: (.+)$", out, re.M).group(1).strip()
     rows = re.findall(r"^ *([1-9]) +(dp=.+?) {2,}\d", out, re.M)  # the top 5 table, best first (equal twins: one row)
