@@ -7,6 +7,8 @@ the mesh; writes nothing.
 
 from __future__ import annotations
 
+import torch.fx
+
 from fxpar.ir import meta
 from fxpar.ir.ops import collective_kind
 from fxpar.ir.program import layer_of
@@ -25,8 +27,9 @@ def cp_rows(view) -> list[dict]:
     its payload bytes and the bytes this rank sends for it per microbatch (forward; backward's reduce-scatter
     sends as many)."""
     cp, rows = view.plan.cp, []
-    for stage in view.my_stages():
-        for node in stage.gm.graph.nodes:
+    for stage in view.my_stages():  # the graphs recompute outlined each layer into are walked too
+        nodes = [n for gm in stage.gm.modules() if isinstance(gm, torch.fx.GraphModule) for n in gm.graph.nodes]
+        for node in nodes:
             if collective_kind(node) != "all_gather_rs_bwd" or not str(node.args[1]).startswith("cp:"):
                 continue
             val = node.meta.get(meta.VAL)
