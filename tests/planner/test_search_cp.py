@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+import fxpar
 from fxpar import zoo
 from fxpar.planner.auto import device_profile
 from fxpar.planner.model_costs import model_costs
@@ -55,3 +56,9 @@ def test_the_search_takes_cp_where_nothing_else_fits(short):
     auto = search(refused, 2, device_profile("h100-80gb")[0], global_batch=1)
     assert auto.best.cp == 2 and auto.best.world_size == 2
     assert auto.estimate.comm_bytes["cp"] > 0
+    # fxpar.price of the chosen plan, on its own trace, is the estimate the search ranked it by
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = fxpar.price(zoo.build("llama", seed=0), auto.best, device="h100-80gb", global_batch=1, seq=16)
+    e = auto.estimate
+    assert (got.step_time, got.parts, got.memory, got.comm_bytes) == (e.step_time, e.parts, e.memory, e.comm_bytes)
