@@ -111,14 +111,15 @@ def check_arch(arch: str, cp: int) -> dict:
         ref = _loss(model(**kw))
         ref.backward()
         want = grads_by_fqn(model)
-        grad, missing = 0.0, []
+        grad, missing, worst = 0.0, [], ""
         for fqn, (g, none) in got.items():
             if fqn not in want:
                 continue
             if none and want[fqn].abs().max() > 0:
                 missing.append(fqn)
-            grad = max(grad, float((g - want[fqn]).abs().max()))
-        res.update(loss=float((loss.detach() - ref.detach()).abs()), grad=grad)
+            d = float((g - want[fqn]).abs().max())
+            grad, worst = max(grad, d), fqn if d > grad else worst
+        res.update(loss=float((loss.detach() - ref.detach()).abs()), grad=grad, worst=worst)
         if missing:
             res.update(grad=float("inf"), why=f"no gradient for {missing[:3]}")
     except Exception as e:
@@ -162,7 +163,7 @@ def line(r: dict) -> str:
         return f"{r['arch']}: {r['status']} ({r.get('s', '-')} s) {r.get('why', '')}"
     return (f"{r['arch']}: {r['status']} loss {r['loss']:.1g} grad {r['grad']:.1g} ({r.get('attention', '-')} "
             f"attentions, {r.get('kv_gathers', '-')} kv gathers, gathered at {r.get('gathered', [])[:4]}, "
-            f"{r.get('s', '-')} s) {r.get('why', '')}")
+            f"{r.get('s', '-')} s) {r.get('why', '')}" + (f" worst {r['worst']}" if r["status"] == "differs" else ""))
 
 
 def _md(text: str) -> str:

@@ -13,9 +13,20 @@ import torch
 import torch.fx
 
 from fxpar.ir import meta
+from fxpar.ir.errors import PlanError
 from fxpar.ir.op_classes import NEW_TENSOR_FACTORIES
 from fxpar.passes import cp_ops
-from fxpar.passes.cp_rules import PARTIAL, Layout, Sh, packet, shape_of, tensor_args, user_input_of
+from fxpar.passes.cp_rules import (
+    PARTIAL,
+    Layout,
+    Sh,
+    packet,
+    shape_of,
+    tensor_args,
+    user_input_of,
+    writes_first,
+    written_through,
+)
 
 aten = torch.ops.aten
 fxpar_ops = torch.ops.fxpar
@@ -81,6 +92,11 @@ class Rewriter:
         s = self.state.get(x)
         if s is None:
             return
+        if written_through(node) or (writes_first(node) and node.args[0] is x):
+            raise PlanError(f"Plan(cp=...): {node.name} ({node.target}) needs the whole of {x.name}, which is "
+                            f"split over the sequence, and is written in place (or a view of it is): the write "
+                            f"would land in a gathered copy (fxpar/passes/cp_rewriter.py); context parallelism "
+                            f"has no rule for this model's step-by-step buffer")
         with self.g.inserting_before(node):
             y = self.materialize(x) if s == PARTIAL else self.gather(x, s)
         node.replace_input_with(x, y)

@@ -16,7 +16,14 @@ import torch
 import torch.fx
 
 from fxpar.ir import meta
-from fxpar.ir.op_classes import ACTIVATION_PRODUCTS, ELEMENTWISE_LIKE, LAYOUT_CHAIN, SAME_ORDER_RESHAPES, is_pointwise
+from fxpar.ir.op_classes import (
+    ACTIVATION_PRODUCTS,
+    DIM_VIEWS,
+    ELEMENTWISE_LIKE,
+    LAYOUT_CHAIN,
+    SAME_ORDER_RESHAPES,
+    is_pointwise,
+)
 
 aten = torch.ops.aten
 fxpar_ops = torch.ops.fxpar
@@ -114,6 +121,29 @@ def seq_dim_after(src: tuple, d: int, outer: int, dst: tuple, seq: int) -> Sh | 
         if math.prod(dst[j + 1:]) == after and size % seq == 0 and math.prod(dst[:j]) * (size // seq) == before:
             return Sh(j, size // seq)
     return None
+
+
+def writes_first(node: torch.fx.Node) -> bool:
+    """``node`` writes its first argument in place (``copy_``, ``add_``, ``index_put_``), by its schema."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+
+
+def written_through(node: torch.fx.Node) -> bool:
+    """A later op writes in place into ``node``'s output or a view of it (a buffer filled step by step). Such
+    a value cannot be replaced by a gathered or cut copy: the writes would land in the copy."""
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.args and u.args[0] is n and writes_first(u):
+                return True
+            if packet(u) in DIM_VIEWS and u.args[0] is n:
+                todo.append(u)
+    return False
 
 
 def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
