@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from fxpar.ir.collectives import COLLECTIVES
+
 aten = torch.ops.aten
 
 # views, metadata and no-copy ops: no FLOPs and no bytes moved (fxpar.cost.flops)
@@ -197,9 +199,6 @@ def is_grouped_mm(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and getattr(packet(node), "__name__", "") in GROUPED_MM
 
 
-_NOT_KEPT_COLLECTIVES = ("gather_params",)  # ZeRO-3 regathers its parameters instead of holding the bucket
-
-
 def _op_name(func) -> tuple[str, str]:
     ns, _, op = (func.name() if hasattr(func, "name") else str(func)).partition("::")
     return ns, op.split(".")[0]
@@ -224,5 +223,5 @@ def kept_by_selective(func) -> bool:
     products' outputs."""
     if selective_product(func):
         return True
-    ns, op = _op_name(func)
-    return ns == "fxpar" and op not in _NOT_KEPT_COLLECTIVES
+    ns, op = _op_name(func)  # an observed gather (ZeRO-3's) is regathered, not held (its record says so)
+    return ns == "fxpar" and not getattr(COLLECTIVES.get(op), "observed", False)
