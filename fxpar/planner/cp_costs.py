@@ -14,8 +14,8 @@ from fxpar.cost.context_parallel import Attention
 from fxpar.cost.saved import storage_key
 from fxpar.ir import meta
 from fxpar.ir.numeric import nbytes
-from fxpar.ir.op_classes import ACTIVATION_PRODUCTS
-from fxpar.passes.cp_rules import SDPA, kv_roots, packet
+from fxpar.ir.op_classes import LAYOUT_CHAIN
+from fxpar.passes.cp_rules import kv_roots, packet
 
 __all__ = ["read_attention"]
 
@@ -42,14 +42,14 @@ def read_attention(program, assign: dict, first: dict) -> dict[str, Attention]:
         for node, _ in readers:
             operand = root  # what the attention reads of the gathered value
             while _is_layout(node):  # down the layout chain from the gather to the attention
-                if node in first:
+                if first.get(node, ("",))[0] == part:
                     got["whole"].add(first[node][1])
                 operand, node = node, next(iter(node.users))
             attention.add(node)
             # what the attention keeps of it is the whole sequence's (a view of the gathered value, or the
             # grouped-query expansion's copy); the local value before the gather stays this rank's
             keys.setdefault(part, set()).add(storage_key(operand.meta.get(meta.VAL)))
-            if node in first:
+            if first.get(node, ("",))[0] == part:
                 row = first[node][1]
                 got["rows"][row] = got["rows"].get(row, 0) + (nbytes(operand.meta.get(meta.VAL)) or 0)
     if not found:
@@ -72,6 +72,6 @@ def read_attention(program, assign: dict, first: dict) -> dict[str, Attention]:
 
 
 def _is_layout(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is one of the layout ops between a gather and its attention (one reader, not the
-    attention itself: :func:`kv_roots` walked up from the attention through such ops)."""
-    return len(node.users) == 1 and packet(node) is not SDPA and packet(node) not in ACTIVATION_PRODUCTS
+    """Whether ``node`` is one of the layout ops between a gather and its attention (what :func:`kv_roots`
+    walked up through from the attention: a layout op with one reader)."""
+    return packet(node) in LAYOUT_CHAIN and len(node.users) == 1
