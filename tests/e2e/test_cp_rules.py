@@ -1,0 +1,170 @@
+"""Context parallelism's op rules on tiny hand-written models (``fxpar.passes.cp_ops`` / ``cp_rules``), each on 2
+gloo ranks against one process: the loss and every parameter's gradient (summed over the ranks, as the data-
+parallel engine sums it over dp x cp) within 1e-5, and the pass split what the rule promises (attention on this
+rank's rows, nothing gathered by a fallback). A buffer written in place through a view of a split value is
+refused, not silently wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpar
+from fxpar.ir.errors import PlanError
+from fxpar.testing import multiproc
+
+TOL = 1e-5
+B, S, D, H, V = 2, 8, 16, 2, 32
+GROUP = "cp:0,1"
+pool2 = multiproc.rank_pool(2, shared=True)
+pytestmark = pytest.mark.slow
+
+
+class Gelu(torch.autograd.Function):  # a user autograd.Function fxpar captures as one elementwise op
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(1.702 * x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(1.702 * x)
+        return g * (s + 1.702 * x * s * (1 - s))
+
+
+class Tiny(nn.Module):
+    """An embedding, one attention block of the kind ``case`` names, a head and the mean loss.
+
+    ids: ``where`` placeholder tokens replaced by ``where(ids == V - 1, 0, ids)`` before the lookup;
+    ``index_put`` the same by ``ids[mask] = 0``; ``codebooks`` ``[B * 2, S]`` ids, one embedding per row
+    picked by ``select``. attention: ``fused`` one ``addmm`` (a Conv1D) for q, k, v, ``split`` into three,
+    SDPA; ``eager`` ``baddbmm`` from zero scores, softmax, ``bmm``; ``stack`` rotary-like pairs interleaved
+    by ``stack`` + ``flatten``. ``gelu``: the MLP's activation an autograd.Function."""
+
+    def __init__(self, ids="plain", attention="fused", gelu=False):
+        super().__init__()
+        self.ids, self.attention, self.gelu = ids, attention, gelu
+        self.emb = nn.Embedding(V, D)
+        self.emb2 = nn.Embedding(V, D)
+        self.qkv_w = nn.Parameter(torch.randn(D, 3 * D) / 4)
+        self.qkv_b = nn.Parameter(torch.randn(3 * D) / 4)
+        self.up, self.down, self.head = nn.Linear(D, 2 * D), nn.Linear(2 * D, D), nn.Linear(D, V)
+
+    def embed(self, input_ids):
+        if self.ids == "where":
+            return self.emb(torch.where(input_ids == V - 1, 0, input_ids))
+        if self.ids == "index_put":
+            ids = input_ids.clone()
+            ids[input_ids == V - 1] = 0
+            return self.emb(ids)
+        if self.ids == "codebooks":
+            rows = input_ids.reshape(-1, 2, input_ids.shape[-1])
+            return self.emb(rows[:, 0]) + self.emb2(rows[:, 1])
+        return self.emb(input_ids)
+
+    def attend(self, x):
+        b, s, _ = x.shape
+        qkv = torch.addmm(self.qkv_b, x.reshape(-1, D), self.qkv_w).view(b, s, 3 * D)
+        q, k, v = (t.view(b, s, H, D // H).transpose(1, 2) for t in qkv.split(D, dim=2))
+        if self.attention == "stack":  # rotate pairs (x1, x2) -> (-x2, x1), interleaved back
+            q = q + torch.stack([-q[..., 1::2], q[..., ::2]], dim=-1).flatten(-2)
+        if self.attention == "eager":
+            q, k, v = (t.reshape(b * H, s, D // H) for t in (q, k, v))
+            mask = torch.full((s, s), float("-inf")).triu(1)
+            scores = torch.baddbmm(torch.zeros(b * H, s, s), q, k.transpose(1, 2), alpha=(D // H) ** -0.5)
+            out = torch.bmm(torch.softmax(scores + mask, dim=-1), v).view(b, H, s, D // H)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).reshape(b, s, D)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        x = x + self.attend(x)
+        h = self.up(x)
+        x = x + self.down(Gelu.apply(h) if self.gelu else F.gelu(h))
+        logits = self.head(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+class Filled(nn.Module):
+    """A buffer the size of the sequence filled one position at a time (a recurrence written in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        out = torch.zeros_like(x)
+        state = torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            state = 0.5 * state + x[:, t]
+            out[:, t] = state
+        loss = F.cross_entropy(self.head(out).flatten(0, 1), labels.flatten())
+        return {"loss": loss}
+
+
+def _batch(ids: str) -> dict:
+    rows = B * 2 if ids == "codebooks" else B
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, V, (rows, S), generator=g)
+    input_ids[:, 1] = V - 1  # a placeholder token in every row
+    return {"input_ids": input_ids, "labels": torch.randint(0, V, (B, S), generator=g)}
+
+
+def cp_against_one_process(case: dict) -> dict:
+    """On each rank: the traced model through the pass for this rank, forward and backward; the loss and the
+    gradients summed over the ranks against the eager model's."""
+    import torch.distributed as dist
+
+    from fxpar.passes.context_parallel import context_parallel
+    from fxpar.runtime import groups
+
+    groups.register_group(GROUP, dist.group.WORLD)
+    torch.manual_seed(0)
+    model = Tiny(**case)
+    kw = _batch(case.get("ids", "plain"))
+    program = fxpar.trace(model, example_kwargs=kw)
+    local, res = context_parallel(program, 2, dist.get_rank(), GROUP, keep_outputs={0})
+    loss = local(**kw)["loss"]
+    loss.backward()
+    got = {}
+    for fqn, p in sorted(local.named_parameters()):
+        g = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()  # (emb2: codebooks only)
+        dist.all_reduce(g)
+        got[fqn] = g
+    model.zero_grad(set_to_none=True)
+    ref = model(**kw)["loss"]
+    ref.backward()
+    grad = max(float((got[fqn] - (0 if p.grad is None else p.grad)).abs().max()) for fqn, p in model.named_parameters())
+    return {"loss": abs(float(loss - ref)), "grad": grad, "gathered": res.gathered, "attention": res.attention,
+            "kv_gathers": res.kv_gathers}
+
+
+@pytest.mark.parametrize("case", [
+    {"ids": "where"}, {"ids": "index_put"}, {"ids": "codebooks"},
+    {"attention": "fused", "gelu": True}, {"attention": "eager"}, {"attention": "stack"},
+], ids=lambda c: "-".join(map(str, c.values())))
+def test_rule_equals_one_process(pool2, case):
+    for r in pool2.run(cp_against_one_process, case, timeout=120):
+        assert r["loss"] <= TOL and r["grad"] <= TOL, r
+        assert r["gathered"] == [], r  # every op had a rule: nothing gathered by a fallback
+        assert len(r["kv_gathers"]) == 2, r  # the keys and the values, not the queries
+        assert len(r["attention"]) == (case.get("attention") != "eager"), r
+
+
+def test_written_through_buffer_is_refused():
+    from fxpar.passes.context_parallel import context_parallel
+    from fxpar.runtime import groups
+
+    groups.register_group(GROUP, size=2)
+    try:
+        program = fxpar.trace(Filled(), example_kwargs=_batch("plain"))
+        with pytest.raises(PlanError, match="written in place"):
+            context_parallel(program, 2, 0, GROUP, keep_outputs={0})
+    finally:
+        groups.unregister_group(GROUP)
