@@ -5,7 +5,9 @@ base model (``layers.*.self_attn.q_proj``); head models add their own ``_tp_plan
 from the root (``lm_head``). fxpar keeps every plan keyed by full FQN from the traced root, so a glob
 means the same thing everywhere (``model.layers.*.self_attn.q_proj``).
 
-Plain ``nn.Module`` models work too: every field is optional.
+Plain ``nn.Module`` models work too: every field is optional. A wrapper that exposes the model it wraps
+by ``get_base_model()`` (PEFT's ``PeftModel``) is read through: the facts are the wrapped model's, its
+plans keyed by the FQNs the wrapper's ``named_parameters`` give (``base_model.model.model.layers.*...``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,21 @@ from typing import Any
 import torch
 
 from fxpar.ir.program import ModelInfo
+
+
+def wrapped_model(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """The model a wrapper holds and its FQN prefix inside ``model`` (``model`` and "" for no wrapper).
+
+    A wrapper is a module whose class has ``get_base_model()`` returning one of its submodules (PEFT's
+    ``PeftModel``: ``base_model.model.``); nested wrappers are read through to the innermost."""
+    prefix = ""
+    while callable(getattr(type(model), "get_base_model", None)):
+        inner = model.get_base_model()
+        path = next((n for n, m in model.named_modules() if m is inner and n), None)
+        if path is None:
+            break
+        model, prefix = inner, f"{prefix}{path}."
+    return model, prefix
 
 
 def _prefix_of(model: torch.nn.Module) -> str:
@@ -54,9 +71,10 @@ def _config_dict(config: Any) -> dict[str, Any]:
         return {k: v for k, v in vars(config).items() if isinstance(v, (int, float, str, bool, type(None)))}
 
 
-def read_model_info(model: torch.nn.Module) -> ModelInfo:
+def read_model_info(root: torch.nn.Module) -> ModelInfo:
+    model, outer = wrapped_model(root)
     config = getattr(model, "config", None)
-    prefix = _prefix_of(model)
+    prefix = outer + _prefix_of(model)
     text_config = config
     if config is not None and hasattr(config, "get_text_config"):
         try:
@@ -71,12 +89,15 @@ def read_model_info(model: torch.nn.Module) -> ModelInfo:
         own_tp = None
     if not isinstance(own_pp, dict):
         own_pp = None
+    own_tp = {outer + k: v for k, v in own_tp.items()} if own_tp else None
+    own_pp = {outer + k: v for k, v in own_pp.items()} if own_pp else None
     tie = getattr(text_config, "tie_word_embeddings", getattr(config, "tie_word_embeddings", None))
-    container, n_layers = longest_module_list(model)
+    container, n_layers = longest_module_list(root)
     return ModelInfo(
         model_class=type(model).__name__,
         model_type=getattr(config, "model_type", None),
         base_model_prefix=getattr(model, "base_model_prefix", None) or None,
+        wrapper_prefix=outer,
         tp_plan=_merge(base_tp, prefix, own_tp),
         pp_plan=_merge(base_pp, prefix, own_pp),
         tie_word_embeddings=tie,

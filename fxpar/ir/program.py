@@ -83,6 +83,7 @@ class ModelInfo:
     model_class: str = ""
     model_type: str | None = None
     base_model_prefix: str | None = None
+    wrapper_prefix: str = ""  # FQN prefix of the model a wrapper holds (PEFT's "base_model.model."), else ""
     tp_plan: dict[str, str] | None = None  # full-model FQN globs (prefix applied) -> style
     pp_plan: dict[str, tuple[list[str], list[str]]] | None = None  # prefix applied
     tie_word_embeddings: bool | None = None

@@ -1,0 +1,120 @@
+"""PEFT LoRA models compiled as they are (``get_peft_model`` on a zoo model, PEFT's parameter names), on gloo
+ranks against PEFT on one process: after two AdamW steps (weight decay on) every adapter weight equals the
+single-process run's and every frozen base weight is bit-unchanged, under one process, dp=2, ZeRO-1, ZeRO-3,
+pp=2 and tp=2. A frozen parameter costs no gradient, no optimizer state and no reduction: the bytes the step's
+gradient reductions move are the adapters' (and the loss's) only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxpar
+from fxpar import zoo
+from fxpar.testing import multiproc
+
+TOL = 1e-5
+NAME = "llama"
+pool2 = multiproc.rank_pool(2, shared=True)
+pytestmark = pytest.mark.slow
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-6)  # weight decay 0.01: a frozen weight stepped would move
+
+
+def lora_llama():
+    """The zoo's tiny Llama wrapped by PEFT, adapters on q and v; ``init_lora_weights=False`` draws B too, so
+    both factors get gradients from the first step."""
+    model = zoo.build(NAME, seed=0)
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                            init_lora_weights=False))
+
+
+def _batch():
+    return zoo.example_inputs(NAME, zoo.tiny_config(NAME), batch=4, seq=8)
+
+
+class ReduceTap(TorchDispatchMode):
+    """Bytes every reduction moves while active: the engine's torch.distributed all-reduces and reduce-scatters
+    (c10d ops: gradient buckets, the step's loss) and ZeRO-3's reduce-scatters (fxpar's op, its gathers'
+    backward). TP's own collectives are fxpar's all_reduce, not counted here."""
+
+    OPS = {("c10d", "allreduce_"), ("c10d", "_reduce_scatter_base_"), ("c10d", "reduce_scatter_"),
+           ("fxpar", "reduce_scatter")}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func.namespace, func._schema.name.split("::")[-1]) in self.OPS:
+            t = args[1] if func._schema.name.endswith("reduce_scatter_") else args[0]
+            self.bytes += sum(x.numel() * x.element_size() for x in (t if isinstance(t, list) else [t]))
+        return out
+
+
+def lora_training(plan: str, steps: int = 2) -> dict:
+    """``steps`` AdamW steps of ``plan`` next to PEFT's model on one process: the largest loss and adapter
+    differences, the base weights that moved; from the first step, the reduced bytes, the optimizer's state
+    entries and the frozen parameters held (entries) and given a gradient on this rank."""
+    batch = _batch()
+    compiled = fxpar.compile(lora_llama(), plan, example_kwargs=batch, optimizer=adamw, timeout=120)
+    reference = lora_llama()
+    start = {k: v.clone() for k, v in reference.state_dict().items()}
+    opt = adamw([p for p in reference.parameters() if p.requires_grad])
+    losses, out = [], {}
+    for i in range(steps):
+        with ReduceTap() as tap:
+            loss = compiled.step(**batch)
+        if i == 0:
+            held = [p for s in compiled.pipeline.stages_of(compiled.pp_rank) for p in s.gm.parameters()]
+            out = {"reduced": tap.bytes, "frozen_grads": sum(p.grad is not None for p in held if not p.requires_grad),
+                   "frozen_held": sum(p.numel() for p in held if not p.requires_grad),
+                   "states": sum(t.numel() for st in compiled.optimizer.state.values()
+                                 for k, t in st.items() if k == "exp_avg")}
+        opt.zero_grad()
+        ref = reference(**batch).loss
+        ref.backward()
+        opt.step()
+        losses.append(abs(loss.item() - ref.item()))
+    state, want = compiled.full_state_dict(), reference.state_dict()
+    trainable = {n for n, p in reference.named_parameters() if p.requires_grad}
+    return {**out, "loss": max(losses), "keys": sorted(set(want) ^ set(state)),
+            "adapters": max((state[k] - want[k]).abs().max().item() for k in trainable),
+            "moved": min((want[k] - start[k]).abs().max().item() for k in trainable),
+            "base": sorted(k for k in want if k not in trainable and not torch.equal(state[k], start[k]))}
+
+
+def _check(results):
+    for r in results:
+        assert r["keys"] == [] and r["base"] == [], r  # PEFT's names, every base weight bit-unchanged
+        assert r["loss"] <= TOL and r["adapters"] <= TOL, r
+        assert r["moved"] > 1e-3, r  # every adapter tensor really trained
+        assert r["frozen_grads"] == 0, r
+
+
+def test_lora_trains_as_peft_on_one_process():
+    _check([lora_training("dp=1")])
+
+
+@pytest.mark.parametrize("plan", ["pp=2", "tp=2"])
+def test_lora_trains_as_peft_on_two_ranks(pool2, plan):
+    _check(pool2.run(lora_training, plan, timeout=300))
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "dp=2,zero=1", "dp=2,zero=3"])
+def test_frozen_parameters_are_not_reduced_nor_stepped(pool2, plan):
+    results = pool2.run(lora_training, plan, timeout=300)
+    _check(results)
+    ref = lora_llama()
+    adapters = sum(p.numel() for p in ref.parameters() if p.requires_grad)  # 1792 entries: dp divides them
+    for r in results:
+        # the adapters' fp32 gradients once (all-reduced, or reduce-scattered whole), plus the step's loss
+        assert r["reduced"] == adapters * 4 + 4, (r["reduced"], adapters)
+        # AdamW's moments for the adapters only: whole under DDP, this rank's half under ZeRO
+        assert r["states"] == adapters // (2 if "zero" in plan else 1), (r["states"], adapters)
