@@ -21,8 +21,8 @@ from fxpar.passes.pipeline_split import set_nested
 
 
 def zero3_shards(ctx, t: torch.Tensor) -> bool:
-    """Whether the zero3 pass will flatten ``t`` into a bucket (a trainable parameter under ZeRO-3)."""
-    return ctx.plan.zero == 3 and isinstance(t, torch.nn.Parameter) and t.requires_grad
+    """Whether the zero3 pass will flatten ``t`` into a bucket (a parameter, trainable or frozen, under ZeRO-3)."""
+    return ctx.plan.zero == 3 and isinstance(t, torch.nn.Parameter)
 
 
 def materialize_weights(stage: StageSpec, ctx) -> StageSpec:

@@ -2,7 +2,8 @@
 the graph first uses them.
 
 Reads: a pipeline stage's GraphModule, whose parameters are ``get_attr`` nodes under their FQNs.
-Writes: per bucket (a layer's parameters by default; consecutive layers merged up to ``bucket_bytes``)
+Writes: per bucket (a layer's parameters by default; consecutive layers merged up to ``bucket_bytes``;
+frozen parameters, ``requires_grad=False``, in buckets of their own, gathered but never reduced)
 one flat shard parameter ``_zero3.<i>`` on the module (this rank's 1/dp of the bucket, padded), one
 ``torch.ops.fxpar.gather_params`` node (all-gather forward; reduce-scatter of the gradient backward)
 and per parameter a slice + view of the gathered bucket replacing its ``get_attr``. The gather is
@@ -104,9 +105,12 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
     getters = {n.target: n for n in graph.nodes if n.op == "get_attr" and n.target in set(params)}
     order = [n.target for n in graph.nodes if n.op == "get_attr" and n.target in getters]
     tensors = {name: gm.get_parameter(name) for name in order}
-    trainable = [n for n in order if tensors[n].requires_grad]
     position = _position(graph)
-    groups = buckets_of(trainable, tensors, bucket_bytes, group_of)
+    # frozen parameters (requires_grad=False) are sharded and gathered too, in buckets of their own: a frozen
+    # shard's gather records no backward, so its bucket is never reduce-scattered
+    frozen = {n for n in order if not tensors[n].requires_grad}
+    groups = buckets_of(order, tensors, bucket_bytes,
+                        lambda n: (group_of(n) if group_of is not None and n not in frozen else 0, n in frozen))
     # the node that first reads each bucket's parameters, and the buckets in the order the graph reads them
     first_use = [min((u for n in names for u in getters[n].users), key=position) for names in groups]
     order = sorted(range(len(groups)), key=lambda i: position(first_use[i]))

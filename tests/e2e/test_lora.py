@@ -2,7 +2,8 @@
 ranks against PEFT on one process: after two AdamW steps (weight decay on) every adapter weight equals the
 single-process run's and every frozen base weight is bit-unchanged, under one process, dp=2, ZeRO-1, ZeRO-3,
 pp=2 and tp=2. A frozen parameter costs no gradient, no optimizer state and no reduction: the bytes the step's
-gradient reductions move are the adapters' (and the loss's) only."""
+gradient reductions move are the adapters' (and the loss's) only; ZeRO-3 shards the frozen base too (each rank
+holds half of it) and gathers it for forward and backward without ever reducing it."""
 
 from __future__ import annotations
 
@@ -118,3 +119,9 @@ def test_frozen_parameters_are_not_reduced_nor_stepped(pool2, plan):
         assert r["reduced"] == adapters * 4 + 4, (r["reduced"], adapters)
         # AdamW's moments for the adapters only: whole under DDP, this rank's half under ZeRO
         assert r["states"] == adapters // (2 if "zero" in plan else 1), (r["states"], adapters)
+        # the frozen base held whole under DDP and ZeRO-1, half of it (its shard, padded) under ZeRO-3
+        base = sum(p.numel() for p in ref.parameters() if not p.requires_grad)
+        if "zero=3" in plan:
+            assert base // 2 <= r["frozen_held"] <= base // 2 + 8, (r["frozen_held"], base)
+        else:
+            assert r["frozen_held"] == base, (r["frozen_held"], base)
