@@ -144,12 +144,23 @@ def product(rw, node, op=None) -> None:
     to this rank's rows where it spans them."""
     added = op in (aten.baddbmm, aten.addmm)
     a, b = node.args[1:3] if added else node.args[:2]
-    rw.whole(node, b)
     s = rw.input_state(node, a)
-    nd_a = len(shape_of(a))
+    nd_a, nd_b, nd = len(shape_of(a)), len(shape_of(b)), len(shape_of(node))
     if not isinstance(s, Sh) or s.dim == nd_a - 1:
+        rw.whole(node, b)
         return rw.fallback(node)
-    out = Sh(s.dim + len(shape_of(node)) - nd_a, s.outer)
+    out = Sh(s.dim + nd - nd_a, s.outer)
+    at = out.dim - (nd - nd_b)  # where b meets the sequence, broadcasting from the right
+    if s.dim < nd_a - 2 and 0 <= at < nd_b - 2 and shape_of(b)[at] == out.outer * rw.l.seq:
+        # the sequence is a batch dim of the product (a per-token matrix product, not attention): b's rows are
+        # this rank's, not the whole sequence's (a key/value gather at b's root is cut back to them)
+        if rw.state.get(b) is None:
+            with rw.g.inserting_before(node):
+                node.replace_input_with(b, rw.cut(b, at, out.outer))
+        elif rw.state.get(b) != out:
+            return rw.fallback(node)
+    else:
+        rw.whole(node, b)
     if added:
         c, shape = node.args[0], shape_of(node.args[0])
         at = out.dim - (len(shape_of(node)) - len(shape))

@@ -69,7 +69,7 @@ class Rewriter:
 
     def gather(self, x: torch.fx.Node, s: Sh) -> torch.fx.Node:
         """The whole of sharded ``x``, in sequence order: all-gather over cp (backward: reduce-scatter)."""
-        shape, c = self.local_shape(x, s), self.l.chunk
+        shape, c, whole = self.local_shape(x, s), self.l.chunk, x.meta.get(meta.VAL)
         d = s.dim
         if s.outer > 1:
             x = self.call(aten.view.default, x, shape[:d] + [s.outer, 2 * c] + shape[d + 1:])
@@ -79,6 +79,7 @@ class Rewriter:
         out = self.call(aten.cat.default, parts, d)
         if s.outer > 1:
             out = self.call(aten.view.default, out, shape[:s.dim] + [s.outer * self.l.seq] + shape[s.dim + 1:])
+        out.meta[meta.VAL] = whole  # the traced value's (whole) shape, for the rules that read the gathered value
         return out
 
     def materialize(self, x: torch.fx.Node) -> torch.fx.Node:
