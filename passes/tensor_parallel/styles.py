@@ -79,9 +79,35 @@ def styles_for(program: Program, plan: dict[str, str] | None, tp: int, user: boo
     whichever plan applies (the inference pairs the rest around them)."""
     whole = replicated_modules(program, replicate)
     if user:
-        return Styles({**resolve_styles(program, plan or {}, strict=True), **whole})
+        taken = {**resolve_styles(program, plan or {}, strict=True), **whole}
+        return Styles({**taken, **adapter_styles(program, taken)})
     taken = resolve_styles(program, plan, strict=False) if plan else {}
-    return infer_styles(program, tp, {**taken, **whole})
+    taken = {**taken, **whole}
+    found = infer_styles(program, tp, {**taken, **adapter_styles(program, taken)})
+    found.update(adapter_styles(program, found))  # adapters of layers whose style was inferred
+    return found
+
+
+def adapter_styles(program: Program, styles: dict[str, str]) -> dict[str, str]:
+    """Styles of the adapters wrapped around a styled layer, cut consistently with it, keyed on the structure
+    PEFT's tuner layers have (``q_proj.base_layer`` beside the module dicts ``q_proj.lora_A`` and
+    ``q_proj.lora_B``), whatever their class. The wrapper's style is its ``base_layer``'s. A column-parallel
+    layer (output features cut): A whole, B cut on its output features, so ``B(A(x))`` is this rank's columns
+    of the update, added to the layer's with no collective. A row-parallel layer (input features cut): A cut
+    on its input features, B whole, so the update is a partial sum that joins the layer's, reduced once."""
+    out: dict[str, str] = {}
+    for fqn, mod in program.root.named_modules() if program.root is not None else ():
+        base = getattr(mod, "base_layer", None)
+        pairs = [getattr(mod, k, None) for k in ("lora_A", "lora_B")]
+        if not isinstance(base, torch.nn.Module) or not all(isinstance(d, torch.nn.ModuleDict) for d in pairs):
+            continue
+        style = styles.get(f"{fqn}.base_layer") or styles.get(fqn)
+        if style in COLWISE or style in ROWWISE:
+            out[f"{fqn}.base_layer"] = style
+            a, b = ("replicate", "colwise") if style in COLWISE else ("rowwise", "replicate")
+            for name in set(pairs[0].keys()) & set(pairs[1].keys()):
+                out[f"{fqn}.lora_A.{name}"], out[f"{fqn}.lora_B.{name}"] = a, b
+    return out
 
 
 def replicated_modules(program: Program, globs: tuple[str, ...]) -> dict[str, str]:

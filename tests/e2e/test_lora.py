@@ -13,7 +13,9 @@ from peft import LoraConfig, get_peft_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxpar
+import fxpar.api
 from fxpar import zoo
+from fxpar.cost import comm
 from fxpar.testing import multiproc
 
 TOL = 1e-5
@@ -26,12 +28,16 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-6)  # weight decay 0.01: a frozen weight stepped would move
 
 
+COLUMN, ROW = ["q_proj", "v_proj"], ["o_proj", "down_proj"]  # adapted layers TP cuts by output / input features
+R = 4
+
+
 def lora_llama():
-    """The zoo's tiny Llama wrapped by PEFT, adapters on q and v; ``init_lora_weights=False`` draws B too, so
-    both factors get gradients from the first step."""
+    """The zoo's tiny Llama wrapped by PEFT, adapters on q, v, o and down; ``init_lora_weights=False`` draws B
+    too, so both factors get gradients from the first step."""
     model = zoo.build(NAME, seed=0)
     torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+    return get_peft_model(model, LoraConfig(r=R, target_modules=COLUMN + ROW, lora_dropout=0.0,
                                             init_lora_weights=False))
 
 
@@ -113,7 +119,7 @@ def test_frozen_parameters_are_not_reduced_nor_stepped(pool2, plan):
     results = pool2.run(lora_training, plan, timeout=300)
     _check(results)
     ref = lora_llama()
-    adapters = sum(p.numel() for p in ref.parameters() if p.requires_grad)  # 1792 entries: dp divides them
+    adapters = sum(p.numel() for p in ref.parameters() if p.requires_grad)  # an even count: dp divides them
     for r in results:
         # the adapters' fp32 gradients once (all-reduced, or reduce-scattered whole), plus the step's loss
         assert r["reduced"] == adapters * 4 + 4, (r["reduced"], adapters)
@@ -125,3 +131,44 @@ def test_frozen_parameters_are_not_reduced_nor_stepped(pool2, plan):
             assert base // 2 <= r["frozen_held"] <= base // 2 + 8, (r["frozen_held"], base)
         else:
             assert r["frozen_held"] == base, (r["frozen_held"], base)
+
+
+def _events(model) -> list[tuple]:
+    """(op, module without PEFT's prefix, forward collective, backward collective, their bytes) of every fxpar
+    op rank 0 of tp=2 runs, in graph order."""
+    priced = fxpar.api.price(model, "tp=2", example_kwargs=_batch())
+    return [(e["kind"], e["module"].removeprefix("base_model.model."), e["forward"], e["backward"],
+             e["forward_bytes"], e["backward_bytes"])
+            for s in priced.pipeline.stages for e in comm.collective_events(s.gm)]
+
+
+def test_tp_cuts_adapters_with_their_layers_and_adds_one_small_collective_each():
+    """Under tp=2 each adapter is cut as its layer: a column-parallel layer's A whole and B by output features,
+    a row-parallel layer's A by input features and B whole. Each adapted layer then adds exactly one collective,
+    an all-reduce of its r-wide activation (batch x seq x r): the column layer's in backward (A's gradient
+    needs the summed gradient of its output), the row layer's in forward (B's input is A's partial sum); no
+    collective of the hidden width is added, and every one the model has without adapters is still there once."""
+    priced = fxpar.api.price(lora_llama(), "tp=2", example_kwargs=_batch())
+    cut = {k.removeprefix("base_model.model.model.layers.0."): d for k, d in priced.result.tp.sharded.items()
+           if k.startswith("base_model.model.model.layers.0.")}
+    for layer in COLUMN + ROW:
+        col = layer in COLUMN
+        assert cut.get(_module(layer) + ".base_layer.weight") == (0 if col else 1), cut
+        assert cut.get(_module(layer) + ".lora_A.default.weight") == (None if col else 1), cut
+        assert cut.get(_module(layer) + ".lora_B.default.weight") == (0 if col else None), cut
+    plain, lora = _events(zoo.build(NAME, seed=0)), _events(lora_llama())
+    small = R * 4 * 8 * 4  # batch x seq x r, fp32
+    added = [e for e in lora if ".lora_A." in e[1]]
+    kept = [e for e in lora if ".lora_A." not in e[1]]
+    assert [(e[0], *e[2:]) for e in kept] == [(e[0], *e[2:]) for e in plain], (kept, plain)
+    layers = zoo.tiny_config(NAME).num_hidden_layers
+    assert len(added) == layers * len(COLUMN + ROW), added
+    for op, module, fwd, bwd, fwd_bytes, bwd_bytes in added:
+        if any(f".{m}." in module for m in COLUMN):
+            assert (fwd, bwd, fwd_bytes, bwd_bytes) == (None, "all_reduce", 0, small), module
+        else:
+            assert (fwd, bwd, fwd_bytes, bwd_bytes) == ("all_reduce", None, small, 0), module
+
+
+def _module(layer: str) -> str:
+    return f"self_attn.{layer}" if layer in ("q_proj", "k_proj", "v_proj", "o_proj") else f"mlp.{layer}"
