@@ -24,7 +24,7 @@ from fxpar.ir.op_classes import (
     is_pointwise,
 )
 from fxpar.ir.ops import collective_kind
-from fxpar.passes.cp_rules import PARTIAL, SDPA, Sh, seq_dim_after, shape_of, tensor_args
+from fxpar.passes.cp_rules import PARTIAL, SDPA, Sh, seq_dim_after, shape_of, tensor_args, writes_first
 
 aten = torch.ops.aten
 fxpar_ops = torch.ops.fxpar
@@ -50,7 +50,7 @@ def rule_for(node: torch.fx.Node, op):
         return product
     if op in LAST_DIM_NORMS or op in DIM_REDUCTIONS:
         return reduction
-    if op in ELEMENTWISE_LIKE or is_pointwise(node):
+    if op in ELEMENTWISE_LIKE or is_pointwise(node) or out_of_place(op) in ELEMENTWISE_LIKE:
         return pointwise
     if op is aten.cat:
         return concat
@@ -61,6 +61,12 @@ def rule_for(node: torch.fx.Node, op):
     if op is aten.gather:
         return take_along
     return None
+
+
+def out_of_place(op):
+    """The op an in-place one (``masked_fill_``) writes the result of, else None."""
+    name = getattr(op, "_qualified_op_name", "").split("::")[-1]
+    return getattr(aten, name[:-1], None) if name.endswith("_") and not name.startswith("_") else None
 
 
 def collective(rw, node, op) -> None:
@@ -110,6 +116,8 @@ def pointwise(rw, node, op) -> None:
     sh = [(x, rw.state[x]) for x in xs if isinstance(rw.state.get(x), Sh)]
     x0, s0 = sh[0]
     want = Sh(s0.dim + nd - len(shape_of(x0)), s0.outer)
+    if writes_first(node) and rw.state.get(node.args[0]) != want:
+        return rw.fallback(node)  # an in-place write into a whole value: it stays whole (a cut copy loses it)
     if not rw.aligned(node, want, nd):
         return rw.fallback(node)
     rw.state[node] = want if outs is None else tuple(want for _ in outs)

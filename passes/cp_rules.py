@@ -64,7 +64,8 @@ def user_input_of(node, program) -> torch.fx.Node | None:
             continue
         op, shape = packet(node), shape_of(node)
         nd_in = len(shape_of(node.args[0]) or ()) if node.args else 0
-        if op in SAME_ORDER_RESHAPES or op in (aten.index_put, aten.index_put_) and masked_write(node):
+        whole_slice = op is aten.slice and shape == shape_of(node.args[0])  # ids[:, -seq:] of seq ids
+        if op in SAME_ORDER_RESHAPES or whole_slice or op in (aten.index_put, aten.index_put_) and masked_write(node):
             todo.append(node.args[0])
         elif op in (aten.select, aten.slice) and nd_in > 1 and \
                 (node.args[1] if len(node.args) > 1 else 0) % nd_in != nd_in - 1:
