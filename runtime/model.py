@@ -63,7 +63,8 @@ class PricedPlan:
         self.build = build  # compiles each signature (fxpar.ir.build.Build); the runtime reads nothing else of it
         self.programs = ProgramCache(build, build.setup_for, runtime or (lambda result: None))  # one per shapes
         self._train = self.programs.get(example_args, example_kwargs, program)[0]
-        self._tied_groups = make_tied_groups(self._train.pipeline, mesh, self.stage_to_rank, create=create_groups)
+        self._tied_groups = make_tied_groups(self._train.pipeline, mesh, self.stage_to_rank, create=create_groups,
+                                             program=self._train.program)
         self._named = self._my_named_parameters(self._train.pipeline)
         # Plan(ep=N): what the EP pass cut, the last step's all-to-all bytes and experts' loads
         self.ep = ExpertParallelRecord(build.ep, self._train.program)
@@ -258,6 +259,7 @@ def make_engine(named, factory, groups: ParamGroups | None, result: CompileResul
                                     if experts else None,
                                     replicate=(mesh.replicate_group_name(), mesh.dp_replicate))
         return engine, engine.optimizer
-    # a rank whose stages hold no parameter (possible with tiny models) has nothing to optimise
-    mine = [p for _, p in named]
+    # a rank whose stages hold no parameter (possible with tiny models) has nothing to optimise; a frozen one
+    # (requires_grad=False) is no optimizer's
+    mine = [p for _, p in named if p.requires_grad]
     return None, make_optimizer(factory, mine, groups, [group_of[id(p)] for p in mine] if groups else None)

@@ -9,19 +9,21 @@ import torch
 import torch.distributed as dist
 
 from fxpar.ir.mesh import MeshSpec
+from fxpar.ir.program import Program
 from fxpar.ir.stage import PipelineProgram
 from fxpar.runtime import dist_calls
 
 
-def make_tied_groups(pipeline: PipelineProgram, mesh: MeshSpec, stage_to_rank, *,
-                     create: bool = True) -> list[tuple[str, list[int], object]]:
-    """``(fqn, pipeline ranks holding it, this rank's process group)`` for each parameter held on
-    several pipeline ranks. Every rank creates every group, in the same order (``new_group`` is
-    collective); ``create=False`` lists them without creating any (pricing a plan)."""
+def make_tied_groups(pipeline: PipelineProgram, mesh: MeshSpec, stage_to_rank, *, create: bool = True,
+                     program: Program | None = None) -> list[tuple[str, list[int], object]]:
+    """``(fqn, pipeline ranks holding it, this rank's process group)`` for each trainable parameter held on
+    several pipeline ranks (``program``'s parameters with ``requires_grad=False`` have no gradient to sum).
+    Every rank creates every group, in the same order (``new_group`` is collective); ``create=False`` lists
+    them without creating any (pricing a plan)."""
     groups = []
     for fqn, stages in sorted(pipeline.tied.items()):
         ranks = sorted({stage_to_rank[s] for s in stages})
-        if len(ranks) > 1:
+        if len(ranks) > 1 and (program is None or program.params[fqn].requires_grad):
             mine = None
             if create:
                 me = mesh.coords()

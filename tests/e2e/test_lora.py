@@ -32,17 +32,21 @@ COLUMN, ROW = ["q_proj", "v_proj"], ["o_proj", "down_proj"]  # adapted layers TP
 R = 4
 
 
-def lora_llama():
-    """The zoo's tiny Llama wrapped by PEFT, adapters on q, v, o and down; ``init_lora_weights=False`` draws B
-    too, so both factors get gradients from the first step."""
-    model = zoo.build(NAME, seed=0)
+# GPT-2: Conv1D layers (PEFT's fan_in_fan_out), a fused [q | k | v] projection, tied embedding and LM head
+TARGETS = {"llama": COLUMN + ROW, "gpt2": ["c_attn", "c_proj"]}
+
+
+def lora_llama(name: str = NAME):
+    """The zoo's tiny ``name`` wrapped by PEFT (the Llama's adapters on q, v, o and down);
+    ``init_lora_weights=False`` draws B too, so both factors get gradients from the first step."""
+    model = zoo.build(name, seed=0)
     torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(r=R, target_modules=COLUMN + ROW, lora_dropout=0.0,
+    return get_peft_model(model, LoraConfig(r=R, target_modules=TARGETS[name], lora_dropout=0.0,
                                             init_lora_weights=False))
 
 
-def _batch():
-    return zoo.example_inputs(NAME, zoo.tiny_config(NAME), batch=4, seq=8)
+def _batch(name: str = NAME):
+    return zoo.example_inputs(name, zoo.tiny_config(name), batch=4, seq=8)
 
 
 class ReduceTap(TorchDispatchMode):
@@ -65,13 +69,13 @@ class ReduceTap(TorchDispatchMode):
         return out
 
 
-def lora_training(plan: str, steps: int = 2) -> dict:
+def lora_training(plan: str, name: str = NAME, steps: int = 2) -> dict:
     """``steps`` AdamW steps of ``plan`` next to PEFT's model on one process: the largest loss and adapter
     differences, the base weights that moved; from the first step, the reduced bytes, the optimizer's state
     entries and the frozen parameters held (entries) and given a gradient on this rank."""
-    batch = _batch()
-    compiled = fxpar.compile(lora_llama(), plan, example_kwargs=batch, optimizer=adamw, timeout=120)
-    reference = lora_llama()
+    batch = _batch(name)
+    compiled = fxpar.compile(lora_llama(name), plan, example_kwargs=batch, optimizer=adamw, timeout=120)
+    reference = lora_llama(name)
     start = {k: v.clone() for k, v in reference.state_dict().items()}
     opt = adamw([p for p in reference.parameters() if p.requires_grad])
     losses, out = [], {}
@@ -83,7 +87,9 @@ def lora_training(plan: str, steps: int = 2) -> dict:
             out = {"reduced": tap.bytes, "frozen_grads": sum(p.grad is not None for p in held if not p.requires_grad),
                    "frozen_held": sum(p.numel() for p in held if not p.requires_grad),
                    "states": sum(t.numel() for st in compiled.optimizer.state.values()
-                                 for k, t in st.items() if k == "exp_avg")}
+                                 for k, t in st.items() if k == "exp_avg"),
+                   "frozen_stepped": sum(not p.requires_grad for g in compiled.optimizer.param_groups
+                                         for p in g["params"])}
         opt.zero_grad()
         ref = reference(**batch).loss
         ref.backward()
@@ -102,16 +108,16 @@ def _check(results):
         assert r["keys"] == [] and r["base"] == [], r  # PEFT's names, every base weight bit-unchanged
         assert r["loss"] <= TOL and r["adapters"] <= TOL, r
         assert r["moved"] > 1e-3, r  # every adapter tensor really trained
-        assert r["frozen_grads"] == 0, r
+        assert r["frozen_grads"] == 0 and r["frozen_stepped"] == 0, r  # no gradient, not in the optimizer
 
 
 def test_lora_trains_as_peft_on_one_process():
     _check([lora_training("dp=1")])
 
 
-@pytest.mark.parametrize("plan", ["pp=2", "tp=2"])
-def test_lora_trains_as_peft_on_two_ranks(pool2, plan):
-    _check(pool2.run(lora_training, plan, timeout=300))
+@pytest.mark.parametrize("plan,name", [("pp=2", "llama"), ("tp=2", "llama"), ("pp=2", "gpt2")])
+def test_lora_trains_as_peft_on_two_ranks(pool2, plan, name):
+    _check(pool2.run(lora_training, plan, name, timeout=300))
 
 
 @pytest.mark.parametrize("plan", ["dp=2", "dp=2,zero=1", "dp=2,zero=3"])
