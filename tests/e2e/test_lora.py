@@ -1,9 +1,11 @@
 """PEFT LoRA models compiled as they are (``get_peft_model`` on a zoo model, PEFT's parameter names), on gloo
 ranks against PEFT on one process: after two AdamW steps (weight decay on) every adapter weight equals the
 single-process run's and every frozen base weight is bit-unchanged, under one process, dp=2, ZeRO-1, ZeRO-3,
-pp=2 and tp=2. A frozen parameter costs no gradient, no optimizer state and no reduction: the bytes the step's
-gradient reductions move are the adapters' (and the loss's) only; ZeRO-3 shards the frozen base too (each rank
-holds half of it) and gathers it for forward and backward without ever reducing it."""
+pp=2 (a Llama, and a GPT-2 with its tied embedding on both stages), tp=2 and dp=2 x tp=2 ZeRO-3. A frozen
+parameter costs no gradient, no optimizer state and no reduction: the bytes the step's gradient reductions
+move are the adapters' (and the loss's) only; ZeRO-3 shards the frozen base too (each rank holds half of it)
+and gathers it for forward and backward without ever reducing it. Under tp=2 each adapter is cut as its layer
+and adds one r-wide collective (counted)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from fxpar.testing import multiproc
 TOL = 1e-5
 NAME = "llama"
 pool2 = multiproc.rank_pool(2, shared=True)
+pool4 = multiproc.rank_pool(4)
 pytestmark = pytest.mark.slow
 
 
@@ -118,6 +121,11 @@ def test_lora_trains_as_peft_on_one_process():
 @pytest.mark.parametrize("plan,name", [("pp=2", "llama"), ("tp=2", "llama"), ("pp=2", "gpt2")])
 def test_lora_trains_as_peft_on_two_ranks(pool2, plan, name):
     _check(pool2.run(lora_training, plan, name, timeout=300))
+
+
+def test_lora_trains_as_peft_on_four_ranks_zero3_over_tp(pool4):
+    """ZeRO-3 shards of TP shards: the frozen base cut by tp, then by dp; the adapters as their layers."""
+    _check(pool4.run(lora_training, "dp=2,tp=2,zero=3", timeout=300))
 
 
 @pytest.mark.parametrize("plan", ["dp=2", "dp=2,zero=1", "dp=2,zero=3"])
