@@ -38,11 +38,11 @@ class Gelu(torch.autograd.Function):  # a user autograd.Function fxpar captures 
 class Tiny(nn.Module):
     """An embedding, one attention block of the kind ``case`` names, a head and the mean loss.
 
-    ids: ``where`` placeholder tokens replaced by ``where(ids == V - 1, 0, ids)`` before the lookup;
+    ids: ``where`` placeholder tokens replaced by ``where(ids == V - 1, 0, ids)`` (of ``ids[:, -S:]``);
     ``index_put`` the same by ``ids[mask] = 0``; ``codebooks`` ``[B * 2, S]`` ids, one embedding per row
     picked by ``select``. attention: ``fused`` one ``addmm`` (a Conv1D) for q, k, v, ``split`` into three,
-    SDPA; ``eager`` ``baddbmm`` from zero scores, softmax, ``bmm``; ``stack`` rotary-like pairs interleaved
-    by ``stack`` + ``flatten``. ``gelu``: the MLP's activation an autograd.Function."""
+    SDPA; ``eager`` ``baddbmm`` from zero scores, ``masked_fill_``, softmax, ``bmm``; ``stack`` rotary-like
+    pairs interleaved by ``stack`` + ``flatten``. ``gelu``: the MLP's activation an autograd.Function."""
 
     def __init__(self, ids="plain", attention="fused", gelu=False):
         super().__init__()
@@ -55,7 +55,8 @@ class Tiny(nn.Module):
 
     def embed(self, input_ids):
         if self.ids == "where":
-            return self.emb(torch.where(input_ids == V - 1, 0, input_ids))
+            ids = input_ids[:, -S:]  # a slice keeping every id
+            return self.emb(torch.where(ids == V - 1, 0, ids))
         if self.ids == "index_put":
             ids = input_ids.clone()
             ids[input_ids == V - 1] = 0
@@ -73,9 +74,10 @@ class Tiny(nn.Module):
             q = q + torch.stack([-q[..., 1::2], q[..., ::2]], dim=-1).flatten(-2)
         if self.attention == "eager":
             q, k, v = (t.reshape(b * H, s, D // H) for t in (q, k, v))
-            mask = torch.full((s, s), float("-inf")).triu(1)
+            mask = torch.ones(s, s, dtype=torch.bool).triu(1)
             scores = torch.baddbmm(torch.zeros(b * H, s, s), q, k.transpose(1, 2), alpha=(D // H) ** -0.5)
-            out = torch.bmm(torch.softmax(scores + mask, dim=-1), v).view(b, H, s, D // H)
+            scores.masked_fill_(mask, float("-inf"))  # in place, on this rank's rows
+            out = torch.bmm(torch.softmax(scores, dim=-1), v).view(b, H, s, D // H)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return out.transpose(1, 2).reshape(b, s, D)
