@@ -1,11 +1,11 @@
 """PEFT LoRA models compiled as they are (``get_peft_model`` on a zoo model, PEFT's parameter names), on gloo
 ranks against PEFT on one process: after two AdamW steps (weight decay on) every adapter weight equals the
 single-process run's and every frozen base weight is bit-unchanged, under one process, dp=2, ZeRO-1, ZeRO-3,
-pp=2 (a Llama, and a GPT-2 with its tied embedding on both stages), tp=2 and dp=2 x tp=2 ZeRO-3. A frozen
-parameter costs no gradient, no optimizer state and no reduction: the bytes the step's gradient reductions
-move are the adapters' (and the loss's) only; ZeRO-3 shards the frozen base too (each rank holds half of it)
-and gathers it for forward and backward without ever reducing it. Under tp=2 each adapter is cut as its layer
-and adds one r-wide collective (counted)."""
+pp=2 (a Llama, and a GPT-2 with its tied embedding on both stages), tp=2 (LoRA, DoRA, rsLoRA) and dp=2 x tp=2
+ZeRO-3. A frozen parameter costs no gradient, no optimizer state and no reduction: the bytes the step's gradient
+reductions move are the adapters' (and the loss's) only; ZeRO-3 shards the frozen base too (each rank holds half
+of it) and gathers it for forward and backward without ever reducing it. Under tp=2 each adapter is cut as its
+layer and adds one r-wide collective (counted)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,16 @@ R = 4
 TARGETS = {"llama": COLUMN + ROW, "gpt2": ["c_attn", "c_proj"]}
 
 
-def lora_llama(name: str = NAME):
+VARIANTS = {"lora": {}, "dora": {"use_dora": True}, "rslora": {"use_rslora": True}}
+
+
+def lora_llama(name: str = NAME, variant: str = "lora"):
     """The zoo's tiny ``name`` wrapped by PEFT (the Llama's adapters on q, v, o and down);
     ``init_lora_weights=False`` draws B too, so both factors get gradients from the first step."""
     model = zoo.build(name, seed=0)
     torch.manual_seed(1)
     return get_peft_model(model, LoraConfig(r=R, target_modules=TARGETS[name], lora_dropout=0.0,
-                                            init_lora_weights=False))
+                                            init_lora_weights=False, **VARIANTS[variant]))
 
 
 def _batch(name: str = NAME):
@@ -72,13 +75,13 @@ class ReduceTap(TorchDispatchMode):
         return out
 
 
-def lora_training(plan: str, name: str = NAME, steps: int = 2) -> dict:
+def lora_training(plan: str, name: str = NAME, variant: str = "lora", steps: int = 2) -> dict:
     """``steps`` AdamW steps of ``plan`` next to PEFT's model on one process: the largest loss and adapter
     differences, the base weights that moved; from the first step, the reduced bytes, the optimizer's state
     entries and the frozen parameters held (entries) and given a gradient on this rank."""
     batch = _batch(name)
-    compiled = fxpar.compile(lora_llama(name), plan, example_kwargs=batch, optimizer=adamw, timeout=120)
-    reference = lora_llama(name)
+    compiled = fxpar.compile(lora_llama(name, variant), plan, example_kwargs=batch, optimizer=adamw, timeout=120)
+    reference = lora_llama(name, variant)
     start = {k: v.clone() for k, v in reference.state_dict().items()}
     opt = adamw([p for p in reference.parameters() if p.requires_grad])
     losses, out = [], {}
@@ -118,9 +121,13 @@ def test_lora_trains_as_peft_on_one_process():
     _check([lora_training("dp=1")])
 
 
-@pytest.mark.parametrize("plan,name", [("pp=2", "llama"), ("tp=2", "llama"), ("pp=2", "gpt2")])
-def test_lora_trains_as_peft_on_two_ranks(pool2, plan, name):
-    _check(pool2.run(lora_training, plan, name, timeout=300))
+@pytest.mark.parametrize("plan,name,variant", [("pp=2", "llama", "lora"), ("tp=2", "llama", "lora"),
+                                                ("pp=2", "gpt2", "lora"), ("tp=2", "llama", "dora"),
+                                                ("tp=2", "llama", "rslora")])
+def test_lora_trains_as_peft_on_two_ranks(pool2, plan, name, variant):
+    """DoRA's magnitude vector is trained too: its weight norm reads the base weight, cut by tp on the row
+    layers' input features."""
+    _check(pool2.run(lora_training, plan, name, variant, timeout=300))
 
 
 def test_lora_trains_as_peft_on_four_ranks_zero3_over_tp(pool4):
