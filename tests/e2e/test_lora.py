@@ -16,8 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxpar
 import fxpar.api
-from fxpar import zoo
+from fxpar import checkpoint, zoo
 from fxpar.cost import comm
+from fxpar.ir.errors import PlanError
 from fxpar.testing import multiproc
 
 TOL = 1e-5
@@ -119,6 +120,13 @@ def _check(results):
 
 def test_lora_trains_as_peft_on_one_process():
     _check([lora_training("dp=1")])
+
+
+def test_export_hf_refuses_a_wrapped_model(tmp_path):
+    compiled = fxpar.compile(lora_llama(), "dp=1", example_kwargs=_batch(), optimizer=adamw)
+    with pytest.raises(PlanError, match=r"PeftModel wraps a LlamaForCausalLM under 'base_model.model.'.*merge_and"):
+        checkpoint.export_hf(compiled, tmp_path)
+    assert not any(tmp_path.iterdir())  # refused before writing anything
 
 
 @pytest.mark.parametrize("plan,name,variant", [("pp=2", "llama", "lora"), ("tp=2", "llama", "lora"),
