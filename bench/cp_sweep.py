@@ -176,8 +176,12 @@ def summary(results: list[dict], cp: int) -> str:
     counts: dict = {}
     for r in results:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
+    split = [r for r in equal if r.get("attention") or r.get("kv_gathers")]
+    clean = [r for r in split if not r.get("gathered")]
     return (f"{len(equal)} of {len(traced)} architectures that fxpar.trace captures ({len(results)} swept) equal "
-            f"one process at cp={cp} (loss and every gradient within {TOL:g}). By status: "
+            f"one process at cp={cp} (loss and every gradient within {TOL:g}); in {len(split)} of them attention "
+            f"reads this rank's query rows against gathered keys and values ({len(clean)} with no op gathered by "
+            f"the fallback), the others gather the sequence before it or have no attention. By status: "
             f"{', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}")
 
 
