@@ -344,15 +344,11 @@ def export_hf(compiled, directory: str | Path, max_shard_size: int | str = "5GB"
     ``max_shard_size``), which ``from_pretrained`` loads. Every rank calls it; tensors are gathered on rank
     0 one at a time, each from the ranks that write it in a checkpoint, and written at once, so no rank
     holds more than its shards and one full tensor. Tied weights are written once (transformers ties
-    them again). A wrapped model (PEFT's, whose names carry its ``base_model.model.`` prefix and adapters) is
-    refused: its names are not the layout ``from_pretrained`` reads."""
-    directory = Path(directory)
-    program = compiled.program
-    if program.info.wrapper_prefix:
-        raise PlanError(f"fxpar.checkpoint.export_hf: {type(compiled.model).__name__} wraps a "
-                        f"{program.info.model_class} under {program.info.wrapper_prefix!r} (PEFT adapters): its "
-                        "parameter names are not save_pretrained's layout; write compiled.full_state_dict() into the "
-                        "PEFT model and use PEFT's save_pretrained (adapters) or merge_and_unload() (merged weights)")
+    them again)."""
+    directory, program = Path(directory), compiled.program
+    if program.info.wrapper_prefix:  # PEFT's names are not save_pretrained's layout
+        raise PlanError(f"fxpar.checkpoint.export_hf: {program.info.model_class} is wrapped (PEFT, under "
+                        f"{program.info.wrapper_prefix!r}): use PEFT's save_pretrained or merge_and_unload()")
     held = local_state(compiled)
     mine = [(k[len("model."):], h.shape, h.dtype, [(o, tuple(v.shape)) for o, v in h.chunks]) for k, h in held.items()]
     if dist.is_initialized() and compiled.world > 1:

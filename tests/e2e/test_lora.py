@@ -124,7 +124,7 @@ def test_lora_trains_as_peft_on_one_process():
 
 def test_export_hf_refuses_a_wrapped_model(tmp_path):
     compiled = fxpar.compile(lora_llama(), "dp=1", example_kwargs=_batch(), optimizer=adamw)
-    with pytest.raises(PlanError, match=r"PeftModel wraps a LlamaForCausalLM under 'base_model.model.'.*merge_and"):
+    with pytest.raises(PlanError, match=r"LlamaForCausalLM is wrapped \(PEFT, under 'base_model.model.'\).*merge_and"):
         checkpoint.export_hf(compiled, tmp_path)
     assert not any(tmp_path.iterdir())  # refused before writing anything
 
