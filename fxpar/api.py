@@ -173,7 +173,8 @@ class _Builder:
             self.weights.done()
             # a model whose tensors compile took (ZeRO-3): what it did not keep is freed now
             self.weights.release({a for info in program.params.values() for a in info.fqns})
-        feasibility.check_zero3_ties(plan, feasibility.tied_across_ranks(pipeline, setup.stage_to_rank))
+        tied = feasibility.tied_across_ranks(pipeline, setup.stage_to_rank)  # frozen copies never drift apart
+        feasibility.check_zero3_ties(plan, [f for f in tied if program.params[f].requires_grad])
         # priced on this rank's program: after TP its nodes cost their shards (the TP pass prices them)
         predicted = annotate_stages(local, pipeline, self.cuts, self.profile, self.dtype)
         return CompileResult(program, local, pipeline, ctx.out.tp, ctx.out.zero3_buckets, predicted, ctx.out.timings,

@@ -138,9 +138,25 @@ def test_lora_trains_as_peft_on_two_ranks(pool2, plan, name, variant):
     _check(pool2.run(lora_training, plan, name, variant, timeout=300))
 
 
-def test_lora_trains_as_peft_on_four_ranks_zero3_over_tp(pool4):
-    """ZeRO-3 shards of TP shards: the frozen base cut by tp, then by dp; the adapters as their layers."""
-    _check(pool4.run(lora_training, "dp=2,tp=2,zero=3", timeout=300))
+def full_finetune_refused(plan: str, name: str) -> str:
+    """The error compiling the plain ``name`` (every weight trainable) under ``plan`` raises, "" if none."""
+    try:
+        fxpar.compile(zoo.build(name, seed=0), plan, example_kwargs=_batch(name), optimizer=adamw, timeout=120)
+    except PlanError as e:
+        return str(e)
+    return ""
+
+
+def test_zero3_still_refuses_a_trainable_tie_across_stages(pool4):
+    for message in pool4.run(full_finetune_refused, "dp=2,pp=2,zero=3", "gpt2", timeout=300):
+        assert "tied across pipeline ranks (['transformer.wte.weight']) would drift apart" in message, message
+
+
+@pytest.mark.parametrize("plan,name", [("dp=2,tp=2,zero=3", "llama"), ("dp=2,pp=2,zero=3", "gpt2")])
+def test_lora_trains_as_peft_on_four_ranks_zero3(pool4, plan, name):
+    """ZeRO-3 shards of TP shards (the frozen base cut by tp, then by dp; the adapters as their layers); ZeRO-3
+    with a frozen tied embedding on both pipeline stages (allowed: frozen copies cannot drift apart)."""
+    _check(pool4.run(lora_training, plan, name, timeout=300))
 
 
 @pytest.mark.parametrize("plan", ["dp=2", "dp=2,zero=1", "dp=2,zero=3"])
