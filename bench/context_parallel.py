@@ -80,7 +80,7 @@ def main() -> None:
     base = at[1]
     for cp, r in at.items():
         rows.append(f"| {cp} | {args.seq} | {r['peak'] / 2**20:.0f} | {r['peak'] / base['peak']:.3f} | "
-                    f"{1 / cp + 0.1:.3f} | {r['time']:.2f} | {r['time'] / base['time']:.2f} | "
+                    f"{1.1 / cp:.3f} | {r['time']:.2f} | {r['time'] / base['time']:.2f} | "
                     f"{r['predicted']:.2f} | {r['predicted_act'] / 2**20:.0f} |")
     fits = []
     for factor in (1.5, 1.8, 2.0, 2.5):
@@ -94,7 +94,7 @@ def main() -> None:
             f"--steps {args.steps}` ({(time.time() - start) / 60:.0f} min). An 8-layer Llama (hidden 256, 4 heads / "
             "2 KV heads, vocabulary 256), fp32, batch 1, SGD lr 0; each cp=N on N gloo ranks; peak: the largest "
             "rank's rise above the step's start (the torch profiler's memory events), so parameters and "
-            "gradients count in every row; bound: 1/N + 10% of cp=1's; time: the slowest rank's median step "
+            "gradients count in every row; bound: 1/N of cp=1's plus 10% of that; time: the slowest rank's median step "
             "(N ranks share 2 cores); predicted: the cost model's step and activation memory for the plan.\n\n"
             "| cp | seq | peak MiB | / cp=1 | bound | step s | / cp=1 | predicted s | predicted act. MiB |\n"
             "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
