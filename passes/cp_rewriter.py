@@ -20,12 +20,11 @@ from fxpar.passes.cp_rules import (
     PARTIAL,
     Layout,
     Sh,
+    lost_write,
     packet,
     shape_of,
     tensor_args,
     user_input_of,
-    writes_first,
-    written_through,
 )
 
 aten = torch.ops.aten
@@ -93,11 +92,11 @@ class Rewriter:
         s = self.state.get(x)
         if s is None:
             return
-        if written_through(node) or (writes_first(node) and node.args[0] is x):
+        if lost_write(node, x):
             raise PlanError(f"Plan(cp=...): {node.name} ({node.target}) needs the whole of {x.name}, which is "
-                            f"split over the sequence, and is written in place (or a view of it is): the write "
-                            f"would land in a gathered copy (fxpar/passes/cp_rewriter.py); context parallelism "
-                            f"has no rule for this model's step-by-step buffer")
+                            f"split over the sequence, and is written in place (or a view of it is) and read "
+                            f"again: the write would land in a gathered copy (fxpar/passes/cp_rewriter.py); "
+                            f"context parallelism has no rule for this model's step-by-step buffer")
         with self.g.inserting_before(node):
             y = self.materialize(x) if s == PARTIAL else self.gather(x, s)
         node.replace_input_with(x, y)

@@ -133,18 +133,24 @@ def writes_first(node: torch.fx.Node) -> bool:
     return alias is not None and alias.is_write
 
 
-def written_through(node: torch.fx.Node) -> bool:
-    """A later op writes in place into ``node``'s output or a view of it (a buffer filled step by step). Such
-    a value cannot be replaced by a gathered or cut copy: the writes would land in the copy."""
-    todo = [node]
+def lost_write(node: torch.fx.Node, x: torch.fx.Node) -> bool:
+    """Replacing input ``x`` of ``node`` by a gathered copy would lose a write: ``node`` writes ``x`` in place,
+    or a later op writes into ``node``'s view of it, and ``x`` is read again after that write (a buffer filled
+    step by step). A write whose only reader is the writing op's own output keeps its value."""
+    chain, writers, todo = {node}, [node] if writes_first(node) and node.args[0] is x else [], [node]
     while todo:
         n = todo.pop()
         for u in n.users:
             if u.args and u.args[0] is n and writes_first(u):
-                return True
-            if packet(u) in DIM_VIEWS and u.args[0] is n:
+                writers.append(u)
+            elif packet(u) in DIM_VIEWS and u.args[0] is n:
+                chain.add(u)
                 todo.append(u)
-    return False
+    if not writers:
+        return False
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    first = min(order[w] for w in writers)
+    return any(order[u] > first for u in x.users if u not in chain and u not in writers)
 
 
 def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
