@@ -24,7 +24,7 @@ from fxpar.testing import multiproc
 TOL = 1e-5
 NAME = "llama"
 pool2 = multiproc.rank_pool(2, shared=True)
-pool4 = multiproc.rank_pool(4)
+pool4 = multiproc.rank_pool(4, shared=True)
 pytestmark = pytest.mark.slow
 
 
