@@ -23,6 +23,7 @@ from fxpar.testing import multiproc
 
 TOL = 1e-5
 NAME = "llama"
+MAX_NORM = 0.05  # below every step's gradient norm (asserted), so clipping scales the adapters' gradients
 pool2 = multiproc.rank_pool(2, shared=True)
 pool4 = multiproc.rank_pool(4, shared=True)
 pytestmark = pytest.mark.slow
@@ -81,11 +82,13 @@ def lora_training(plan: str, name: str = NAME, variant: str = "lora", steps: int
     differences, the base weights that moved; from the first step, the reduced bytes, the optimizer's state
     entries and the frozen parameters held (entries) and given a gradient on this rank."""
     batch = _batch(name)
-    compiled = fxpar.compile(lora_llama(name, variant), plan, example_kwargs=batch, optimizer=adamw, timeout=120)
+    compiled = fxpar.compile(lora_llama(name, variant), plan, example_kwargs=batch, optimizer=adamw, timeout=120,
+                             max_grad_norm=MAX_NORM)
     reference = lora_llama(name, variant)
     start = {k: v.clone() for k, v in reference.state_dict().items()}
-    opt = adamw([p for p in reference.parameters() if p.requires_grad])
-    losses, out = [], {}
+    adapters = [p for p in reference.parameters() if p.requires_grad]
+    opt = adamw(adapters)
+    losses, norms, out = [], [], {}
     for i in range(steps):
         with ReduceTap() as tap:
             loss = compiled.step(**batch)
@@ -100,11 +103,13 @@ def lora_training(plan: str, name: str = NAME, variant: str = "lora", steps: int
         opt.zero_grad()
         ref = reference(**batch).loss
         ref.backward()
+        norm = torch.nn.utils.clip_grad_norm_(adapters, MAX_NORM).item()
         opt.step()
         losses.append(abs(loss.item() - ref.item()))
+        norms.append((compiled.last_grad_norm, norm))
     state, want = compiled.full_state_dict(), reference.state_dict()
     trainable = {n for n, p in reference.named_parameters() if p.requires_grad}
-    return {**out, "loss": max(losses), "keys": sorted(set(want) ^ set(state)),
+    return {**out, "loss": max(losses), "norms": norms, "keys": sorted(set(want) ^ set(state)),
             "adapters": max((state[k] - want[k]).abs().max().item() for k in trainable),
             "moved": min((want[k] - start[k]).abs().max().item() for k in trainable),
             "base": sorted(k for k in want if k not in trainable and not torch.equal(state[k], start[k]))}
@@ -114,6 +119,8 @@ def _check(results):
     for r in results:
         assert r["keys"] == [] and r["base"] == [], r  # PEFT's names, every base weight bit-unchanged
         assert r["loss"] <= TOL and r["adapters"] <= TOL, r
+        # the clipped norm is the adapters' gradients' (each entry once), as clip_grad_norm_ over them, and clips
+        assert all(abs(got - want) <= TOL * want and want > 2 * MAX_NORM for got, want in r["norms"]), r
         assert r["moved"] > 1e-3, r  # every adapter tensor really trained
         assert r["frozen_grads"] == 0 and r["frozen_stepped"] == 0, r  # no gradient, not in the optimizer
 
@@ -166,8 +173,9 @@ def test_frozen_parameters_are_not_reduced_nor_stepped(pool2, plan):
     ref = lora_llama()
     adapters = sum(p.numel() for p in ref.parameters() if p.requires_grad)  # an even count: dp divides them
     for r in results:
-        # the adapters' fp32 gradients once (all-reduced, or reduce-scattered whole), plus the step's loss
-        assert r["reduced"] == adapters * 4 + 4, (r["reduced"], adapters)
+        # the adapters' fp32 gradients once (all-reduced, or reduce-scattered whole), plus two scalars: the step's
+        # loss (fp32) and the clipping's sum of squares (fp64)
+        assert r["reduced"] == adapters * 4 + 4 + 8, (r["reduced"], adapters)
         # AdamW's moments for the adapters only: whole under DDP, this rank's half under ZeRO
         assert r["states"] == adapters // (2 if "zero" in plan else 1), (r["states"], adapters)
         # the frozen base held whole under DDP and ZeRO-1, half of it (its shard, padded) under ZeRO-3
