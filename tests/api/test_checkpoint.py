@@ -30,7 +30,7 @@ from fxpar.testing import multiproc
 
 TOL = 1e-5
 NAME = "llama"
-pool8 = multiproc.rank_pool(8, shared=True)  # one 8-rank pool for every module of the session
+pool8 = multiproc.rank_pool(8)
 pool4 = multiproc.rank_pool(4)
 
 

@@ -20,7 +20,7 @@ from fxpar.testing import multiproc
 from fxpar.testing.compare import train_against_reference
 
 TOL = 1e-5
-pool8 = multiproc.rank_pool(8, shared=True)  # one 8-rank pool for every module of the session
+pool8 = multiproc.rank_pool(8)
 pytestmark = pytest.mark.slow
 
 

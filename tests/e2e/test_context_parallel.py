@@ -18,8 +18,8 @@ from fxpar.testing import multiproc
 
 TOL = 1e-5
 pool2 = multiproc.rank_pool(2, shared=True)
-pool4 = multiproc.rank_pool(4, shared=True)
-pool8 = multiproc.rank_pool(8, shared=True)  # one 8-rank pool for every module of the session
+pool4 = multiproc.rank_pool(4)
+pool8 = multiproc.rank_pool(8)
 pytestmark = pytest.mark.slow
 
 

@@ -25,7 +25,7 @@ from fxpar.testing import multiproc
 TOL = 1e-5
 NAME = "llama"
 MAX_NORM = 0.05  # below every step's gradient norm (asserted), so the clipping really scales
-pool8 = multiproc.rank_pool(8, shared=True)  # one 8-rank pool for every module of the session
+pool8 = multiproc.rank_pool(8)
 pytestmark = pytest.mark.slow
 
 

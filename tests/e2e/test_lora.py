@@ -25,7 +25,7 @@ TOL = 1e-5
 NAME = "llama"
 MAX_NORM = 0.05  # below every step's gradient norm (asserted), so clipping scales the adapters' gradients
 pool2 = multiproc.rank_pool(2, shared=True)
-pool4 = multiproc.rank_pool(4, shared=True)
+pool4 = multiproc.rank_pool(4)
 pytestmark = pytest.mark.slow
 
 

@@ -14,7 +14,7 @@ from fxpar.testing import multiproc
 
 TOL = 1e-5
 pool2 = multiproc.rank_pool(2)
-pool8 = multiproc.rank_pool(8, shared=True)  # one 8-rank pool for every module of the session
+pool8 = multiproc.rank_pool(8)
 
 SEQS = (16, 32, 24, 16)
 

@@ -28,7 +28,7 @@ NEW = 6  # generated tokens
 pytestmark = pytest.mark.slow
 pool2 = multiproc.rank_pool(2)
 pool4 = multiproc.rank_pool(4)
-pool8 = multiproc.rank_pool(8, shared=True)  # one 8-rank pool for every module of the session
+pool8 = multiproc.rank_pool(8)
 
 # name -> (zoo model, config overrides): tiny widths, the dim under test at its real size
 MODELS = {

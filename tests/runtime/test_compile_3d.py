@@ -12,7 +12,7 @@ import pytest
 from fxpar.testing import multiproc
 from fxpar.testing.compiled import compiled_vs_eager
 
-pool8 = multiproc.rank_pool_fixture(8, shared=True)  # one 8-rank pool for every module of the session
+pool8 = multiproc.rank_pool_fixture(8)
 TOL = 1e-5
 
 

@@ -18,7 +18,7 @@ from fxpar.testing import multiproc
 TOL = 1e-5
 STEPS = 2
 pool2 = multiproc.rank_pool(2)
-pool8 = multiproc.rank_pool(8, shared=True)  # one 8-rank pool for every module of the session
+pool8 = multiproc.rank_pool(8)
 
 
 def sgd(params):
