@@ -25,10 +25,7 @@ def read_attention(program, assign: dict, first: dict) -> dict[str, Attention]:
     the gathered keys and values (each root's bytes, once), the attention rows with the bytes of the whole
     sequence they read, the layout rows between a gather and its attention, and the whole-sequence bytes
     each recompute policy keeps and recomputes. ``first``: top-level node -> (its part, its first row there)."""
-    try:
-        roots = kv_roots(program.gm, program)
-    except Exception:  # a graph the pass's analysis cannot read: no attention found, cp is not priced
-        return {}
+    roots = kv_roots(program.gm, program)
     found: dict[str, dict] = {}
     keys: dict[str, set] = {}  # part -> the storages of the attention operands that hold whole sequences
     attention: set[torch.fx.Node] = set()
