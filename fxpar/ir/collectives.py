@@ -148,6 +148,19 @@ def _gather_params_grad(grad: torch.Tensor, x_dtype, args: dict, group_size) -> 
     return torch.ops.fxpar.reduce_scatter(grad.to(x_dtype), args["group"], args["dim"], *quantized)
 
 
+def _check_blocks(op: str, group: str, x: torch.Tensor, args: dict, n: int) -> None:
+    """``all_to_all``: dim 0 cuts into one equal block per rank."""
+    if x.dim() == 0 or x.shape[0] % n:
+        raise CollectiveError(f"cuts dim 0 into {n} equal blocks, one per rank; got shape {tuple(x.shape)}",
+                              op=op, group=group)
+
+
+def _block_route(x: torch.Tensor, args: dict, n: int, me: int):
+    """``all_to_all``: block ``j`` of dim 0 to rank ``j``, one row each way; the received blocks, in rank
+    order, make an output of ``x``'s shape."""
+    return x.reshape(n, -1), [1] * n, [1] * n, lambda got: got.view(x.shape)
+
+
 # Every op of the namespace, in a fixed order (the keys of count_collectives and the byte counts).
 # Gradient convention (Megatron's): a replicated tensor's gradient is replicated, so all_reduce's backward
 # is the identity and identity_fwd_all_reduce_bwd's an all-reduce.
@@ -190,6 +203,12 @@ COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
                    "bf16), sent in the wire format ``comm_dtype`` (:mod:`fxpar.ir.wire`). Backward: "
                    "reduce-scatter of the gradient in the shard's own dtype (fp32 master weights: fp32 "
                    "reductions), each rank keeping its shard's sum."),
+    # Context parallelism's Ulysses attention (fxpar.passes.cp_ulysses): its own inverse, so its own gradient
+    Collective("all_to_all", ("all_to_all",), ("all_to_all",), "same", "opaque", schema="Tensor x, str group",
+               kernel="all_to_all", grad="all_to_all", check=_check_blocks, route=_block_route,
+               doc="Block ``j`` of ``x``'s dim 0 (cut into group-size equal blocks) goes to rank ``j``; block "
+                   "``i`` of the output came from rank ``i`` (each rank sends (n - 1) / n of ``x``). Backward: "
+                   "the same all-to-all of the gradient."),
     # Expert parallelism's all-to-alls (fxpar.ir.expert_ops): counted by their own counters, never lowered
     Collective("ep_dispatch", ("all_to_all",), ("all_to_all",), "gather", "opaque",
                schema="Tensor x, Tensor counts, str group, str layer, bool backward=False", kernel="all_to_all",

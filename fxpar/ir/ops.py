@@ -55,6 +55,7 @@ __all__ = [
     "all_gather",
     "all_gather_rs_bwd",
     "all_reduce",
+    "all_to_all",
     "collective_kind",
     "collective_nodes",
     "count_collectives",
@@ -299,6 +300,7 @@ all_gather_rs_bwd = OPS["all_gather_rs_bwd"]
 gather_params = OPS["gather_params"]
 reduce_scatter = OPS["reduce_scatter"]
 scatter_slice = OPS["scatter_slice"]
+all_to_all = OPS["all_to_all"]
 
 
 def gather_params_op():

@@ -40,6 +40,7 @@ SINGLE_ARGS = {
     "reduce_scatter": ("tp", 0),
     "scatter_slice": ("tp", 1),
     "gather_params": ("tp", 0),
+    "all_to_all": ("tp",),
 }
 
 
@@ -165,22 +166,22 @@ def test_export_traces_ops_with_fake_shapes():
         "all_gather": [(2, 3, 8)],
         "scatter_slice": [(1, 6, 4)],
     }
-    assert ops.count_collectives(gm) == dict.fromkeys(ops.COLLECTIVE_OPS, 1) | {"gather_params": 0}
+    assert ops.count_collectives(gm) == dict.fromkeys(ops.COLLECTIVE_OPS, 1) | {"gather_params": 0, "all_to_all": 0}
 
     # bytes: the full tensor each collective works on; float32 (2, 6, 4) = 192 bytes
     full = 2 * 6 * 4 * 4
     assert collective_bytes(gm) == {
         "all_reduce": full, "identity_fwd_all_reduce_bwd": 0, "all_gather": full,
-        "all_gather_rs_bwd": full, "reduce_scatter": full, "scatter_slice": 0, "gather_params": 0,
+        "all_gather_rs_bwd": full, "reduce_scatter": full, "scatter_slice": 0, "gather_params": 0, "all_to_all": 0,
     }
     assert collective_bytes(gm, backward=True) == {
         "all_reduce": 0, "identity_fwd_all_reduce_bwd": full, "all_gather": 0,
-        "all_gather_rs_bwd": full, "reduce_scatter": full, "scatter_slice": full, "gather_params": 0,
+        "all_gather_rs_bwd": full, "reduce_scatter": full, "scatter_slice": full, "gather_params": 0, "all_to_all": 0,
     }
     # ring over 2 ranks: all-reduce sends 2 * 1/2 of the payload, gathers and scatters 1/2
     assert collective_ring_bytes(gm) == {
         "all_reduce": full, "identity_fwd_all_reduce_bwd": 0, "all_gather": full // 2,
-        "all_gather_rs_bwd": full // 2, "reduce_scatter": full // 2, "scatter_slice": 0, "gather_params": 0,
+        "all_gather_rs_bwd": full // 2, "reduce_scatter": full // 2, "scatter_slice": 0, "gather_params": 0, "all_to_all": 0,
     }
     assert ring_bytes("all_reduce", 1000, 4) == 1500 and ring_bytes("all_gather", 1000, 4) == 750
     assert ring_bytes("reduce_scatter", 1000, 1) == 0
@@ -204,7 +205,8 @@ def test_make_fx_backward_shows_collectives():
     # forward: one of each; backward: all_gather_rs_bwd -> reduce_scatter, identity_fwd -> all_reduce,
     # reduce_scatter -> all_gather, all_gather -> scatter_slice, scatter_slice -> all_gather
     assert counts == {"all_reduce": 2, "identity_fwd_all_reduce_bwd": 1, "all_gather": 3,
-                      "all_gather_rs_bwd": 1, "reduce_scatter": 2, "scatter_slice": 2, "gather_params": 0}
+                      "all_gather_rs_bwd": 1, "reduce_scatter": 2, "scatter_slice": 2, "gather_params": 0,
+                      "all_to_all": 0}
     grads = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     assert [tuple(g.meta["val"].shape) for g in grads] == [(2, 3, 4), (8, 4), (4, 8)]
 
@@ -260,6 +262,8 @@ def _cases(n: int):
         if SHAPE[dim] % n == 0:
             cases.append(("reduce_scatter", dim, SHAPE, _shard_shape(dim, n)))
             cases.append(("scatter_slice", dim, SHAPE, _shard_shape(dim, n)))
+    if SHAPE[0] % n == 0:  # one equal block of dim 0 per rank
+        cases.append(("all_to_all", None, SHAPE, SHAPE))
     return cases
 
 
@@ -315,6 +319,8 @@ def _expected(kind, extra, members, me, out_shape):
         return _narrow(sum(xs), extra, me, n), torch.cat(ws, extra)
     if kind == "scatter_slice":
         return _narrow(_x(0), extra, me, n), torch.cat(ws, extra)
+    if kind == "all_to_all":  # block ``me`` of every rank's tensor, in rank order; the gradient the same way
+        return torch.cat([_narrow(x, 0, me, n) for x in xs]), torch.cat([_narrow(w, 0, me, n) for w in ws])
     raise AssertionError(kind)
 
 
