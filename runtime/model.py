@@ -218,12 +218,14 @@ class CompiledModel(PricedPlan):
         return self.clipper.last_norm() if self.clipper is not None else None
 
     @guarded("gathering the full state")
-    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, grads: bool = False, names=None) -> dict[str, torch.Tensor]:
         """Full tensors keyed by the original FQNs (tied parameters under each name), on every rank.
-        ``grads=True``: the parameters' gradients from the last ``step`` instead (zeros where none)."""
+        ``grads=True``: the parameters' gradients from the last ``step`` instead (zeros where none);
+        ``names``: only these (the same on every rank)."""
         zero3 = Zero3Gatherer(self._train.zero3_buckets, canonical_names(self._train.program),
                               self.spec.shard_group_name(), self.spec.dp_shard, grads) if self.plan.zero == 3 else None
-        return full_state_dict(self._train, self.model, self.spec, self.device, grads, ep=self.ep.info, zero3=zero3)
+        return full_state_dict(self._train, self.model, self.spec, self.device, grads, ep=self.ep.info, zero3=zero3,
+                               names=names)
 
     def _measured(self) -> dict[str, int] | None:
         """This rank's held bytes once a step has run (the engine's, or its parameters' and optimizer's)."""

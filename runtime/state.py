@@ -20,9 +20,10 @@ from fxpar.runtime import dist_calls
 
 
 def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpec, device: torch.device,
-                    grads: bool = False, ep=None, zero3=None) -> dict[str, torch.Tensor]:
+                    grads: bool = False, ep=None, zero3=None, names=None) -> dict[str, torch.Tensor]:
     """Full tensors keyed by the original FQNs (tied parameters under each name), on every rank.
-    ``grads=True``: the parameters' gradients from the last step instead (zeros where none).
+    ``grads=True``: the parameters' gradients from the last step instead (zeros where none). ``names``: only
+    these (a collection of the model's names, the same on every rank; e.g. a PEFT model's adapters).
 
     TP shards are gathered within the owning stage's TP group, then sent from its TP rank 0. ZeRO-3
     parameters come from ``zero3`` (a :class:`~fxpar.runtime.zero3.Zero3Gatherer`: one bucket gathered at
@@ -38,6 +39,8 @@ def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpe
     out = {}
     named = dict(model.named_parameters(remove_duplicate=False)) if grads else model.state_dict(keep_vars=True)
     for name, value in named.items():
+        if names is not None and name not in names:
+            continue
         try:
             fqn = program.canonical(name)
         except KeyError:  # a tensor the traced graph does not bind

@@ -13,8 +13,9 @@ Trainer: AdamW with weight-decay groups, ``--lr-scheduler`` with ``--warmup``, `
 ``--save-total-limit N``: keep the newest N). ``--resume PATH`` continues from a ``step_N`` checkpoint or
 a directory's latest (``--resume auto``: ``--save``'s latest when there is one), with the same losses as
 an uninterrupted run, under any plan. ``--export DIR`` writes a Hugging Face model and its tokenizer at
-the end. Rank 0 prints a progress line: step, loss, lr, grad norm, tokens/s, tokens seen, epoch,
-elapsed time and ETA, memory per rank.
+the end. ``--lora r=16`` (``--lora-alpha``, ``--lora-targets``, ``--lora-dropout``) trains PEFT LoRA adapters
+only; ``--export`` then writes the adapter PEFT loads (``--merge``: the merged model too). Rank 0 prints a
+progress line: step, loss, lr, grad norm, tokens/s, tokens seen, epoch, elapsed time and ETA, memory per rank.
 """
 
 from __future__ import annotations
@@ -76,7 +77,16 @@ def add_arguments(p) -> None:
                    help="keep only the newest N checkpoints in --save (never the one 'latest' names)")
     p.add_argument("--resume", help="a step_N checkpoint, or a directory of them (its latest); "
                    "'auto': --save's latest when there is one, else start at step 0 (for torchrun restarts)")
-    p.add_argument("--export", help="write a Hugging Face model (config + safetensors) here")
+    p.add_argument("--export", help="write a Hugging Face model (config + safetensors) here; with --lora the "
+                   "adapter as PEFT's save_pretrained writes it (adapter_model.safetensors, adapter_config.json)")
+    p.add_argument("--lora", metavar="r=N", help="train LoRA adapters of rank N (PEFT's LoraConfig and "
+                   "get_peft_model), the base weights frozen")
+    p.add_argument("--lora-alpha", type=float, help="LoRA scale alpha (adapters scaled by alpha / r; PEFT's default)")
+    p.add_argument("--lora-targets", help="modules to adapt, e.g. q_proj,v_proj, or all-linear "
+                   "(default: PEFT's targets for the model type)")
+    p.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input (PEFT's default: 0)")
+    p.add_argument("--merge", action="store_true", help="with --lora --export DIR: write the merged model "
+                   "(from_pretrained loads it) to DIR and the adapter to DIR/adapter")
     p.add_argument("--log-every", type=int)
     p.add_argument("--metrics-out", help="append one JSON line per logged step / evaluation here")
     p.add_argument("--tensorboard", help="TensorBoard log directory (needs the tensorboard package)")

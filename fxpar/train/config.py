@@ -43,6 +43,11 @@ class FineTuneConfig:
     save_total_limit: int | None = None
     resume: str | None = None
     export: str | None = None
+    lora: str | None = None  # "r=16": train LoRA adapters (fxpar.train.lora), the base frozen
+    lora_alpha: float | None = None  # None: PEFT's defaults, as for the two below
+    lora_targets: str | None = None
+    lora_dropout: float | None = None
+    merge: bool = False  # with lora and export: the merged model too
     log_every: int = 1
     metrics_out: str | None = None
     tensorboard: str | None = None

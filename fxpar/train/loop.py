@@ -35,8 +35,8 @@ from fxpar.ir.batch import counted_labels
 from fxpar.ir.errors import PlanError
 from fxpar.ir.schedule import microbatches
 from fxpar.planner.auto import compute_dtype
+from fxpar.train import lora, optim, saving, streams
 from fxpar.train import metrics as M
-from fxpar.train import optim, saving, streams
 from fxpar.train.config import FineTuneConfig
 from fxpar.train.progress import Progress
 
@@ -71,6 +71,7 @@ def check_args(a) -> None:
     if a.max_grad_norm is not None and not (a.max_grad_norm > 0):  # 'inf' is allowed: log without clipping
         raise PlanError(f"--max-grad-norm {a.max_grad_norm}: give a positive norm ('inf': log it without clipping)")
     saving.check_options(a)
+    lora.check_options(a)
 
 
 def given_plan(a):
@@ -85,6 +86,40 @@ def given_plan(a):
     return plan
 
 
+def source(a, model, directory, resume, adapters: dict):
+    """What ``compile(..., weights=)`` reads: the checkpoint resumed from, the model directory (with ``--lora``:
+    the adapters' first values beside it), the initialiser (``--meta``), or None (the model's own tensors)."""
+    from fxpar import checkpoint
+    from fxpar.adapters import AdapterWeights
+    from fxpar.train.models import directory_weights
+
+    if resume is not None:
+        return checkpoint.model_source(resume)  # each rank reads only its own shards
+    files = directory_weights(directory) if directory is not None else None
+    if a.lora and (directory is not None or a.meta):  # the adapters as PEFT made them, the base from the files
+        return AdapterWeights(model, files, adapters)
+    return files if files is not None else "init" if a.meta else None
+
+
+def export(compiled, a, tokenizer, rank: int) -> str:
+    """``--export``: the model as ``save_pretrained`` writes it (with ``--lora``: the adapter as PEFT writes it,
+    ``--merge``: the merged model too) and the tokenizer; every rank calls it. Returns the line to print."""
+    from fxpar import checkpoint
+    from fxpar.adapters import export_adapter
+
+    if a.lora:
+        export_adapter(compiled, a.export, merge=a.merge)
+    else:
+        checkpoint.export_hf(compiled, a.export)
+    if tokenizer is not None and rank == 0:
+        tokenizer.save_pretrained(a.export)
+    loads = "PeftModel.from_pretrained(base, DIR) loads it" if a.lora and not a.merge else \
+        "from_pretrained loads it" + (f"; the adapter: {Path(a.export) / 'adapter'}" if a.lora else "")
+    return f"exported {a.export} ({loads})" + (
+        "; its weights were trained on random tokens (--data synthetic), not on any data" if
+        a.data == "synthetic" else "")
+
+
 class FineTune:
     """One run's state: model, data, compiled program, schedule, metrics. ``run()`` trains. Built from a
     :class:`FineTuneConfig`, its fields as keywords or a parsed command line (:meth:`FineTuneConfig.of`)."""
@@ -93,7 +128,7 @@ class FineTune:
         import fxpar
         from fxpar import checkpoint
         from fxpar.launch import check_launch_world, init_distributed
-        from fxpar.train.models import directory_weights, load_model, model_directory
+        from fxpar.train.models import load_model, model_directory
 
         self.config = a = FineTuneConfig.of(config, **options)
         self.accum = a.grad_accum
@@ -112,14 +147,11 @@ class FineTune:
                 raise PlanError(f"--resume {self.resume} is at step {self.start}, past --steps {a.steps}: "
                                 f"give --steps {self.start} or more (the total, the steps done included)")
         torch.manual_seed(a.seed)
-        self.model = model = load_model(a.model, meta=a.meta or self.resume is not None)
-        weights = None
-        if self.resume is not None:
-            weights = checkpoint.model_source(self.resume)  # each rank reads only its own shards
-        elif directory is not None:
-            weights = directory_weights(directory)
-        elif a.meta:
-            weights = "init"
+        model = load_model(a.model, meta=a.meta or self.resume is not None)
+        # --lora: PEFT's wrapping, its adapters' first values made on the CPU (every rank alike: seeded above)
+        model, adapters = lora.wrap(model, a, directory and str(directory)) if a.lora else (model, {})
+        self.model = model
+        weights = source(a, model, directory, self.resume, adapters)
         self.tokenizer = None
         tok_dir = a.tokenizer or directory
         if tok_dir is not None and a.data != "synthetic":
@@ -273,14 +305,7 @@ class FineTune:
         if self.eval_data is not None and a.steps > self.start:
             self.evaluate(a.steps)
         if a.export:
-            from fxpar import checkpoint
-
-            checkpoint.export_hf(self.compiled, a.export)
-            if self.tokenizer is not None and self.rank == 0:
-                self.tokenizer.save_pretrained(a.export)
-            self.say(f"exported {a.export} (from_pretrained loads it)" + (
-                "; its weights were trained on random tokens (--data synthetic), not on any data" if
-                a.data == "synthetic" else ""))
+            self.say(export(self.compiled, a, self.tokenizer, self.rank))
         if a.losses_out and self.rank == 0:
             Path(a.losses_out).write_text("\n".join(f"{x!r}" for x in self.losses) + "\n")
         self.log.close()

@@ -71,3 +71,23 @@ def test_plan_the_launch_world_does_not_fit(model_dir, no_communication, capsys,
     monkeypatch.setenv("WORLD_SIZE", "2")
     err = _train([str(model_dir), "--data", "synthetic", "--plan", "tp=3"], capsys)
     assert "needs 3 ranks" in err and "the world has 2" in err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--lora", "r=0"], ["--lora 'r=0': not a LoRA rank", "--lora r=16"]),
+    (["--lora", "rank=16"], ["--lora 'rank=16': not a LoRA rank"]),
+    (["--lora-alpha", "16"], ["--lora-alpha without --lora"]),
+    (["--lora", "r=4", "--lora-dropout", "1.5"], ["--lora-dropout 1.5: give a probability in [0, 1)"]),
+    (["--lora", "r=4", "--merge"], ["--merge without --export"]),
+    (["--lora", "r=4", "--lora-targets", "qproj"], ["--lora-targets qproj", "qproj", "q_proj, k_proj, v_proj"]),
+])
+def test_bad_lora_options(model_dir, no_communication, capsys, argv, words):
+    err = _train([str(model_dir), "--data", str(CHAT_FILE), *argv], capsys)
+    assert all(w in err for w in words), err
+
+
+def test_lora_on_a_model_type_peft_has_no_targets_for(no_communication, capsys):
+    err = _train(["olmo", "--data", "synthetic", "--lora", "r=4"], capsys)
+    for words in ("no default target modules for model type 'olmo'", "q_proj, k_proj, v_proj, o_proj",
+                  "--lora-targets q_proj,k_proj"):
+        assert words in err, err

@@ -225,3 +225,85 @@ def test_tp_cuts_adapters_with_their_layers_and_adds_one_small_collective_each()
 
 def _module(layer: str) -> str:
     return f"self_attn.{layer}" if layer in ("q_proj", "k_proj", "v_proj", "o_proj") else f"mlp.{layer}"
+
+
+# ---- fxpar train --lora: export, merge, resume under another plan -------------------------------------------
+
+LORA_ARGS = ["--lora", "r=4", "--lora-alpha", "16", "--lora-targets", ",".join(COLUMN + ROW), "--seq", "16",
+             "--batch", "4", "--lr", "2e-2", "--weight-decay", "0.1", "--max-grad-norm", "1.0"]
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    from fxpar.testing.hfdir import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("chat"), "llama")
+
+
+def lora_run(model_dir: str, out: str, plan: str, steps: int, extra: list[str]) -> dict:
+    """``fxpar train MODEL_DIR --lora ...`` on the chat file under ``plan`` for ``steps`` steps, then (every rank)
+    the adapters only again into ``out/adapter_only`` (``export_adapter``, gathering only them). Returns the
+    compiled model's logits on a fixed batch, its adapters (full) and the losses."""
+    from fxpar.adapters import export_adapter, trainable_names
+    from fxpar.testing.hfdir import CHAT_FILE
+    from fxpar.train.config import FineTuneConfig
+    from fxpar.train.loop import FineTune
+
+    args = __import__("argparse").ArgumentParser()
+    __import__("fxpar.cli.train", fromlist=["add_arguments"]).add_arguments(args)
+    run = FineTune(FineTuneConfig.from_args(args.parse_args(
+        [model_dir, "--plan", plan, "--data", str(CHAT_FILE), "--steps", str(steps), *LORA_ARGS, *extra])))
+    losses = run.run()
+    export_adapter(run.compiled, f"{out}/adapter_only")
+    ids = torch.arange(24).reshape(2, 12) % run.model.config.vocab_size + 5
+    names = set(trainable_names(run.model))
+    return {"logits": run.compiled(input_ids=ids).logits, "ids": ids, "losses": losses, "start": run.start,
+            "adapters": run.compiled.full_state_dict(names=names)}
+
+
+def _peft_logits(model_dir, adapter, ids):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    plain = base(input_ids=ids).logits
+    return PeftModel.from_pretrained(base, adapter).eval()(input_ids=ids).logits, plain
+
+
+@pytest.fixture(scope="module")
+def lora_trained(pool2, chat_dir, tmp_path_factory):
+    """4 LoRA steps under tp=2 (checkpoints at 2 and 4), exported with --merge."""
+    out = tmp_path_factory.mktemp("lora_out")
+    extra = ["--save", str(out / "ckpt"), "--save-every", "2", "--export", str(out / "merged"), "--merge"]
+    return out, pool2.run(lora_run, str(chat_dir), str(out), "tp=2", 4, extra, timeout=300)[0]
+
+
+def test_train_lora_exports_what_peft_and_from_pretrained_load(chat_dir, lora_trained):
+    """The adapter (in DIR/adapter with --merge, and alone) loads with PeftModel.from_pretrained and the merged
+    model with from_pretrained: their logits are the compiled tp=2 model's."""
+    from transformers import AutoModelForCausalLM
+
+    out, r = lora_trained
+    assert r["losses"][-1] < r["losses"][0], r["losses"]
+    for adapter in (out / "merged" / "adapter", out / "adapter_only"):
+        assert {p.name for p in adapter.iterdir()} >= {"adapter_model.safetensors", "adapter_config.json"}
+        logits, plain = _peft_logits(chat_dir, adapter, r["ids"])
+        assert (logits - r["logits"]).abs().max() <= TOL
+        assert (plain - r["logits"]).abs().max() > 100 * TOL  # the adapters changed the model
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+    assert not any("lora" in k for k in merged.state_dict())
+    assert (merged(input_ids=r["ids"]).logits - r["logits"]).abs().max() <= TOL
+
+
+def test_train_lora_resumes_under_another_plan(pool2, chat_dir, lora_trained, tmp_path):
+    """Resumed under pp=2 from the tp=2 run's step-2 checkpoint: the adapters and their AdamW states are restored
+    (steps 3 and 4 give the uninterrupted losses and adapters; fresh moments would not)."""
+    out, whole = lora_trained
+    (out / "ckpt" / "latest").write_text("step_00000002\n")
+    r = pool2.run(lora_run, str(chat_dir), str(tmp_path), "pp=2", 4, ["--resume", str(out / "ckpt")],
+                  timeout=300)[0]
+    print(f"resumed under pp=2, steps 3-4: {r['losses']}; uninterrupted tp=2: {whole['losses'][2:]}")
+    assert r["start"] == 2 and len(r["losses"]) == 2
+    assert max(abs(a - b) for a, b in zip(r["losses"], whole["losses"][2:])) <= TOL, (r["losses"], whole["losses"])
+    assert set(r["adapters"]) == set(whole["adapters"])
+    assert max((r["adapters"][k] - whole["adapters"][k]).abs().max().item() for k in r["adapters"]) <= TOL
