@@ -16,13 +16,9 @@ parallel engine sums it over dp x cp). Status: ``equal`` (loss and every gradien
 
 from __future__ import annotations
 
-import argparse
-import inspect
 import json
-import math
 import os
 import sys
-import time
 import traceback
 import warnings
 
@@ -30,8 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (the ranks load this file by path)
 from _docs import replace_section  # noqa: E402
-from _tiny_configs import VOCAB, tiny_config  # noqa: E402
-from registry_sweep import TOL, _inputs, _loss, _why  # noqa: E402
+from _sweep import arguments, build, md, partial, results_of, run_sweep  # noqa: E402
+from registry_sweep import TOL, _loss, _why  # noqa: E402
 
 SECTION = "## Context-parallel sweep at cp={cp}"  # of docs/benchmarks.md
 DATE = "2026-11-27"
@@ -40,30 +36,6 @@ SEQ = 16  # cuts into 2 x cp chunks for cp = 2 and 4
 
 def group_name(cp: int) -> str:
     return "cp:" + ",".join(map(str, range(cp)))
-
-
-def build(arch: str, seq: int = SEQ):
-    """(model in train mode, the first inputs its forward takes) as registry_sweep builds it, ``seq`` tokens."""
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    cfg = tiny_config(arch)
-    torch.manual_seed(0)
-    model = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[arch]]._from_config(cfg).train()
-    vocab = getattr(model.get_output_embeddings(), "out_features", None) or cfg.get_text_config().vocab_size
-    seq = math.prod(getattr(cfg, "axial_pos_shape", None) or [seq])
-    errors = []
-    for _, kw in _inputs(cfg, min(vocab, VOCAB), seq):
-        if "use_cache" in inspect.signature(model.forward).parameters:
-            kw["use_cache"] = False
-        try:
-            torch.manual_seed(0)
-            with torch.no_grad():
-                model(**kw)
-            return model, kw
-        except (ValueError, RuntimeError) as e:
-            errors.append(e)
-    raise errors[0]
 
 
 def _rank_program(program, cp: int, rank: int):
@@ -92,7 +64,7 @@ def check_arch(arch: str, cp: int) -> dict:
     res: dict = {"arch": arch}
     stage = "build fails"
     try:
-        model, kw = build(arch)
+        model, kw = build(arch, SEQ)
         stage = "trace fails"
         program = fxpar.trace(model, example_kwargs=kw)
         stage = "cp fails"
@@ -130,32 +102,10 @@ def check_arch(arch: str, cp: int) -> dict:
     return res
 
 
-def run_sweep(archs: list[str], cp: int, limit: int, save=None) -> list[dict]:
+def sweep(archs: list[str], cp: int, limit: int, save=None) -> list[dict]:
     import cp_sweep  # this file as a module the ranks can load by name and path (not __main__)
 
-    from fxpar.testing import multiproc
-
-    results = []
-    with multiproc.RankPool(cp, timeout=limit) as pool:  # restarted by its next run after a failure
-        for i, arch in enumerate(archs):
-            t0 = time.perf_counter()
-            try:
-                per_rank = pool.run(cp_sweep.check_arch, arch, cp, timeout=limit)
-                res = dict(per_rank[0])
-                if "status" not in res:
-                    worst = max(max(r["loss"], r["grad"]) for r in per_rank)
-                    res.update(loss=max(r["loss"] for r in per_rank), grad=max(r["grad"] for r in per_rank),
-                               status="equal" if worst <= TOL else "differs")
-            except multiproc.RankTimeout:
-                res = {"arch": arch, "status": "timeout", "why": f"no answer in {limit} s"}
-            except multiproc.RankFailure as e:
-                res = {"arch": arch, "status": "cp fails", "why": _why(e)[:300]}
-            res["s"] = round(time.perf_counter() - t0, 1)
-            results.append(res)
-            if save:
-                save(results)
-            print(f"[{i + 1}/{len(archs)}] {line(res)}", file=sys.stderr, flush=True)
-    return results
+    return run_sweep(cp_sweep.check_arch, archs, cp, limit, "cp fails", line, save)
 
 
 def line(r: dict) -> str:
@@ -164,10 +114,6 @@ def line(r: dict) -> str:
     return (f"{r['arch']}: {r['status']} loss {r['loss']:.1g} grad {r['grad']:.1g} ({r.get('attention', '-')} "
             f"attentions, {r.get('kv_gathers', '-')} kv gathers, gathered at {r.get('gathered', [])[:4]}, "
             f"{r.get('s', '-')} s) {r.get('why', '')}" + (f" worst {r['worst']}" if r["status"] == "differs" else ""))
-
-
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")[:200]
 
 
 def summary(results: list[dict], cp: int) -> str:
@@ -193,43 +139,19 @@ def table(results: list[dict]) -> str:
             continue
         if "loss" in r:
             rows.append(f"| {r['arch']} | {r['status']} | {r['loss']:.1g} | {r['grad']:.1g} | "
-                        f"{_md(r.get('reason') or r.get('why', ''))} |")
+                        f"{md(r.get('reason') or r.get('why', ''))} |")
         else:
-            rows.append(f"| {r['arch']} | {r['status']} | - | - | {_md(r.get('reason') or r.get('why', ''))} |")
+            rows.append(f"| {r['arch']} | {r['status']} | - | - | {md(r.get('reason') or r.get('why', ''))} |")
     return "\n".join(rows)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cp", type=int, default=2)
-    ap.add_argument("--only", help="comma-separated architecture names (default: all)")
-    ap.add_argument("--limit", type=int, default=120, help="seconds per architecture")
-    ap.add_argument("--json", help="write the per-architecture results here (after each one)")
-    ap.add_argument("--load", help="report an earlier run's --json instead of sweeping")
+    ap = arguments(__doc__, "cp", SECTION.format(cp="N"))
     ap.add_argument("--reasons", help="a JSON file {architecture: why} read into the table for those not equal")
-    ap.add_argument("--write", help="replace or append the '## Context-parallel sweep at cp=N' section of this file")
     args = ap.parse_args()
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    archs = [a for a in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if not args.only or a in args.only.split(",")]
-    t0 = time.perf_counter()
-    cmd = (f"OMP_NUM_THREADS=1 python bench/cp_sweep.py --cp {args.cp}" + (f" --only {args.only}" if args.only else "")
-           + f" --limit {args.limit}")
-
-    def save(results):
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"cp": args.cp, "cmd": cmd, "results": results, "minutes": (time.perf_counter() - t0) / 60},
-                          f, indent=1)
-
-    if args.load:
-        with open(args.load) as f:
-            saved = json.load(f)
-        results, minutes, args.cp, cmd = saved["results"], saved["minutes"], saved["cp"], saved["cmd"]
-    else:
-        results = run_sweep(archs, args.cp, args.limit, save)
-        minutes = (time.perf_counter() - t0) / 60
+    results, minutes, cmd, archs = results_of(args, "cp", "cp_sweep.py", sweep)
     if args.reasons:
         with open(args.reasons) as f:
             why = json.load(f)
@@ -243,9 +165,8 @@ def main() -> int:
              f"transformers {transformers.__version__}, {DATE}). Each causal-LM architecture built tiny as in the "
              f"registry sweep, batch 2 x seq {SEQ}; each rank runs `context_parallel` (fxpar/passes/"
              f"context_parallel.py) on the traced program, forward and backward; the loss and every parameter's "
-             f"gradient summed over the cp ranks against the eager model on one process.\n\n**{head}.**")
-    if "--only" not in cmd and len(results) < len(archs):
-        intro += f" Partial: {len(results)} of {len(archs)} architectures, the sweep was interrupted."
+             f"gradient summed over the cp ranks against the eager model on one process.\n\n**{head}.**"
+             ) + partial(cmd, results, archs)
     section = SECTION.format(cp=args.cp)
     if args.write:
         replace_section(args.write, section,

@@ -17,13 +17,8 @@ gradient within 1e-5, gradients compared slice by slice with ``TpResult.layout(f
 
 from __future__ import annotations
 
-import argparse
-import inspect
-import json
-import math
 import os
 import sys
-import time
 import traceback
 import warnings
 
@@ -31,8 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (the ranks load this file by path)
 from _docs import replace_section  # noqa: E402
-from _tiny_configs import VOCAB, tiny_config  # noqa: E402
-from registry_sweep import SEQ, TOL, _inputs, _loss, _why  # noqa: E402
+from _sweep import arguments, build, md, partial, results_of, run_sweep  # noqa: E402
+from registry_sweep import TOL, _loss, _why  # noqa: E402
 
 SECTION = "## Tensor-parallel sweep at tp={tp}"  # of docs/benchmarks.md
 DOC_SECTION = "## The registry at tp={tp}"  # of docs/tensor_parallel.md
@@ -42,30 +37,6 @@ SLACK = 0.05  # the share above 1/tp (0.55 at tp=2) that needs a written reason
 
 def goal(tp: int) -> float:
     return round(1 / tp + SLACK, 3)
-
-
-def build(arch: str):
-    """(model in train mode, the first inputs its forward takes) as registry_sweep builds it."""
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    cfg = tiny_config(arch)
-    torch.manual_seed(0)
-    model = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[arch]]._from_config(cfg).train()
-    vocab = getattr(model.get_output_embeddings(), "out_features", None) or cfg.get_text_config().vocab_size
-    seq = math.prod(getattr(cfg, "axial_pos_shape", None) or [SEQ])
-    errors = []
-    for _, kw in _inputs(cfg, min(vocab, VOCAB), seq):
-        if "use_cache" in inspect.signature(model.forward).parameters:
-            kw["use_cache"] = False
-        try:
-            torch.manual_seed(0)
-            with torch.no_grad():
-                model(**kw)
-            return model, kw
-        except (ValueError, RuntimeError) as e:
-            errors.append(e)
-    raise errors[0]
 
 
 def _rank_program(program, tp: int, rank: int):
@@ -128,32 +99,10 @@ def check_arch(arch: str, tp: int) -> dict:
     return res
 
 
-def run_sweep(archs: list[str], tp: int, limit: int, save=None) -> list[dict]:
+def sweep(archs: list[str], tp: int, limit: int, save=None) -> list[dict]:
     import tp_sweep  # this file as a module the ranks can load by name and path (not __main__)
 
-    from fxpar.testing import multiproc
-
-    results = []
-    with multiproc.RankPool(tp, timeout=limit) as pool:
-        for i, arch in enumerate(archs):
-            t0 = time.perf_counter()
-            try:
-                per_rank = pool.run(tp_sweep.check_arch, arch, tp, timeout=limit)
-                res = dict(per_rank[0])
-                if "status" not in res:
-                    worst = max(max(r["loss"], r["grad"]) for r in per_rank)
-                    res.update(loss=max(r["loss"] for r in per_rank), grad=max(r["grad"] for r in per_rank),
-                               status="equal" if worst <= TOL else "differs")
-            except multiproc.RankTimeout:
-                res = {"arch": arch, "status": "timeout", "why": f"no answer in {limit} s"}
-            except multiproc.RankFailure as e:
-                res = {"arch": arch, "status": "tp fails", "why": _why(e)[:300]}
-            res["s"] = round(time.perf_counter() - t0, 1)
-            results.append(res)
-            if save:
-                save(results)
-            print(f"[{i + 1}/{len(archs)}] {line(res)}", file=sys.stderr, flush=True)
-    return results
+    return run_sweep(tp_sweep.check_arch, archs, tp, limit, "tp fails", line, save)
 
 
 def reason(r: dict) -> str:
@@ -166,10 +115,6 @@ def line(r: dict) -> str:
         return f"{r['arch']}: {r['status']} ({r.get('s', '-')} s) {r.get('why', '')}"
     return (f"{r['arch']}: {r['status']} loss {r['loss']:.1g} grad {r['grad']:.1g} share {r['share']:.3f} "
             f"({r['plan']} plan, {r['fallbacks']} fallbacks, {r.get('s', '-')} s) {reason(r)}")
-
-
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")[:200]
 
 
 def summary(results: list[dict], tp: int) -> str:
@@ -197,43 +142,19 @@ def table(results: list[dict], tp: int, only_notable: bool) -> str:
             continue
         if "share" in r:
             rows.append(f"| {r['arch']} | {r['status']} | {r['loss']:.1g} | {r['grad']:.1g} | {r['share']:.3f} | "
-                        f"{r['plan']} | {_md(reason(r)) if r['share'] > top else ''} |")
+                        f"{r['plan']} | {md(reason(r)) if r['share'] > top else ''} |")
         else:
-            rows.append(f"| {r['arch']} | {r['status']} | - | - | - | - | {_md(r.get('why', ''))} |")
+            rows.append(f"| {r['arch']} | {r['status']} | - | - | - | - | {md(r.get('why', ''))} |")
     return "\n".join(rows)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--only", help="comma-separated architecture names (default: all)")
-    ap.add_argument("--limit", type=int, default=120, help="seconds per architecture")
-    ap.add_argument("--json", help="write the per-architecture results here (after each one)")
-    ap.add_argument("--load", help="report an earlier run's --json instead of sweeping")
-    ap.add_argument("--write", help="replace or append the '## Tensor-parallel sweep at tp=N' section of this file")
+    ap = arguments(__doc__, "tp", SECTION.format(tp="N"))
     ap.add_argument("--doc", help="replace or append the per-architecture table in this file (docs/tensor_parallel.md)")
     args = ap.parse_args()
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    archs = [a for a in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if not args.only or a in args.only.split(",")]
-    t0 = time.perf_counter()
-    cmd = (f"OMP_NUM_THREADS=1 python bench/tp_sweep.py --tp {args.tp}" + (f" --only {args.only}" if args.only else "")
-           + f" --limit {args.limit}")
-
-    def save(results):
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"tp": args.tp, "cmd": cmd, "results": results, "minutes": (time.perf_counter() - t0) / 60},
-                          f, indent=1)
-
-    if args.load:
-        with open(args.load) as f:
-            saved = json.load(f)
-        results, minutes, args.tp, cmd = saved["results"], saved["minutes"], saved["tp"], saved["cmd"]
-    else:
-        results = run_sweep(archs, args.tp, args.limit, save)
-        minutes = (time.perf_counter() - t0) / 60
+    results, minutes, cmd, archs = results_of(args, "tp", "tp_sweep.py", sweep)
     for r in results:
         print(line(r))
     head = summary(results, args.tp)
@@ -243,9 +164,7 @@ def main() -> int:
              f"registry sweep; `Plan(tp={args.tp})`'s plan (the model's `base_model_tp_plan`, else inferred); share: "
              f"parameter elements one TP rank holds over the model's (fxpar.report.tp_coverage); the largest "
              f"modules left whole, with their part of the model and the pass's reason, for every architecture "
-             f"above {goal(args.tp)}.\n\n**{head}.**")
-    if "--only" not in cmd and len(results) < len(archs):  # a --load of an interrupted run
-        intro += f" Partial: {len(results)} of {len(archs)} architectures, the sweep was interrupted."
+             f"above {goal(args.tp)}.\n\n**{head}.**") + partial(cmd, results, archs)
     section, doc_section = SECTION.format(tp=args.tp), DOC_SECTION.format(tp=args.tp)
     if args.write:
         replace_section(args.write, section,
