@@ -76,7 +76,7 @@ def _context_parallel(program: Program, ctx: PassContext) -> Program:
     loss = loss_position(program)  # the loss is summed over cp; other sharded outputs stay this rank's rows
     keep = None if loss is None else {[i for i, b in enumerate(program.outputs) if b.kind == "user"][loss]}
     program, ctx.shared["cp"] = context_parallel(program, ctx.mesh.cp, ctx.mesh.cp_rank, ctx.group("cp"),
-                                                 keep_outputs=keep)
+                                                 keep_outputs=keep, attention=ctx.plan.cp_attention)
     return program
 
 

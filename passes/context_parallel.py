@@ -46,6 +46,7 @@ from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
 from fxpar.ir.program import Program
 from fxpar.passes import cp_rules as rules
+from fxpar.passes import cp_ulysses
 from fxpar.passes.cp_ops import outputs
 from fxpar.passes.cp_rewriter import Rewriter
 from fxpar.passes.local import refresh_vals
@@ -63,6 +64,10 @@ class CpResult:
     kv_gathers: list[str] = field(default_factory=list)  # the nodes whose value is gathered for attention
     gathered: list[str] = field(default_factory=list)  # nodes with no rule whose sharded inputs were gathered
     cut: list[str] = field(default_factory=list)  # whole values cut to this rank's rows
+    attention_mode: str = "allgather"  # Plan.cp_attention
+    ulysses: list[str] = field(default_factory=list)  # attention nodes that trade sequence for heads by all-to-all
+    all_to_alls: list[str] = field(default_factory=list)  # their key/value roots sent by all-to-all
+    kept: dict[str, str] = field(default_factory=dict)  # attention -> why it keeps the all-gather under ulysses
 
 
 def sequence_length(program: Program) -> int:
@@ -88,11 +93,12 @@ def check(program: Program, cp: int) -> None:
                         f"{fits or [1]}")
 
 
-def context_parallel(program: Program, cp: int, rank: int, group: str,
-                     keep_outputs: set[int] | None = None) -> tuple[Program, CpResult]:
+def context_parallel(program: Program, cp: int, rank: int, group: str, keep_outputs: set[int] | None = None,
+                     attention: str = "allgather") -> tuple[Program, CpResult]:
     """``program`` rewritten for cp rank ``rank`` of ``cp`` in group ``group``. ``keep_outputs``: the user
     output positions returned whole (the loss); other sharded outputs stay this rank's rows (as TP leaves the
-    logits vocabulary-sharded)."""
+    logits vocabulary-sharded). ``attention``: ``Plan.cp_attention`` (``"ulysses"``:
+    :mod:`fxpar.passes.cp_ulysses`)."""
     check(program, cp)
     graph = torch.fx.Graph()
     out = graph.graph_copy(program.gm.graph, {})  # the traced program is left as it was
@@ -100,9 +106,13 @@ def context_parallel(program: Program, cp: int, rank: int, group: str,
     gm = torch.fx.GraphModule(program.gm, graph)
     seq = sequence_length(program)
     layout = rules.Layout(seq=seq, cp=cp, rank=rank, group=group)
-    res = CpResult(cp=cp, seq=seq)
+    res = CpResult(cp=cp, seq=seq, attention_mode=attention)
     roots = rules.kv_roots(gm, program)  # analysis: where attention's keys and values are gathered
-    rw = Rewriter(gm, program, layout, roots, res)
+    uly = cp_ulysses.plan(gm, roots, cp) if attention == "ulysses" else None
+    if uly is not None:
+        cp_ulysses.mark(gm, uly)
+        res.kept = dict(uly.kept)
+    rw = Rewriter(gm, program, layout, roots, res, uly)
     for node in list(gm.graph.nodes):
         if node.op == "call_function":
             rw.visit(node)

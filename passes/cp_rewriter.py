@@ -15,7 +15,7 @@ import torch.fx
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
 from fxpar.ir.op_classes import NEW_TENSOR_FACTORIES
-from fxpar.passes import cp_ops
+from fxpar.passes import cp_ops, cp_ulysses
 from fxpar.passes.cp_rules import (
     PARTIAL,
     Layout,
@@ -34,8 +34,9 @@ fxpar_ops = torch.ops.fxpar
 class Rewriter:
     """Visits the graph's nodes in order, keeps each value's state, rewrites what the state asks for."""
 
-    def __init__(self, gm, program, layout: Layout, roots, result):
+    def __init__(self, gm, program, layout: Layout, roots, result, uly: cp_ulysses.Plan | None = None):
         self.gm, self.g, self.program, self.l, self.roots, self.res = gm, gm.graph, program, layout, roots, result
+        self.uly = uly or cp_ulysses.Plan()  # the attentions that trade sequence for heads (cp_attention="ulysses")
         self.state: dict[torch.fx.Node, object] = {}
         self.cuts: dict[tuple, torch.fx.Node] = {}
         self.fed: set[torch.fx.Node] = set()
@@ -120,9 +121,11 @@ class Rewriter:
                     node.update_arg(1, self.cut(node.args[1], 1))
                 self.state[node] = Sh(1)
                 self.fed.add(node)
-        elif any(self.state.get(a) is not None for a in tensor_args(node)):
+        elif any(self.state.get(a) is not None for a in tensor_args(node)) or node in self.uly.attention:
             self.rule(node, op)
-        if node in self.roots and isinstance(self.state.get(node), Sh):
+        if node in self.uly.roots:
+            cp_ulysses.root(self, node)
+        elif node in self.roots and isinstance(self.state.get(node), Sh):
             with self.g.inserting_before(node.next):
                 full = self.gather(node, self.state[node])
             for reader, pos in self.roots[node]:
@@ -134,6 +137,8 @@ class Rewriter:
             return  # export's metadata checks: dtype and device only
         if op in NEW_TENSOR_FACTORIES:
             return
+        if node in self.uly.attention:
+            return cp_ulysses.attention(self, node)
         rule = cp_ops.rule_for(node, op)
         if rule is None:
             return self.fallback(node)

@@ -18,6 +18,11 @@ pass and its runtime op (``fxpar::all_gather_rs_bwd``):
   its gradient in backward; they block their rank (the op is synchronous, as TP's collectives are: no
   overlap with the chunk's compute), layer recompute runs the forward's again; the loss is summed over cp
   (one scalar all-reduce per microbatch);
+* with ``cp_attention="ulysses"``, each SDPA whose query and key/value heads cp divides instead sends its
+  queries, keys, values (KV heads) and output by all-to-all (:mod:`fxpar.passes.cp_ulysses`): each rank sends
+  ``(cp - 1) / cp`` of its ``S / cp`` rows of each, in forward and again in backward, and attends with
+  ``heads / cp`` heads over the whole sequence (``1 / cp`` of the attention's work and of what it keeps, with
+  no whole-sequence keys and values); an attention whose heads cp does not divide keeps the all-gather;
 * the cp ranks of a replica share its batch; gradients reduce, and ZeRO shards, over the ``dp x cp`` ranks
   of one pipeline and TP position (``fxpar.ir.mesh``: cp between pp and tp).
 """
@@ -31,7 +36,8 @@ from fxpar.cost.data_parallel import DpGroups
 from fxpar.cost.overheads import call_time
 from fxpar.ir.errors import PlanError
 
-__all__ = ["LOSS_BYTES", "Attention", "check_cp", "cp_comm", "cp_groups", "cp_part", "cp_part_of", "variant_cp"]
+__all__ = ["LOSS_BYTES", "Attention", "check_cp", "cp_comm", "cp_groups", "cp_part", "cp_part_of", "ulysses_at",
+           "variant_cp"]
 
 LOSS_BYTES = 4  # the loss all-reduced over cp: one fp32 scalar
 
@@ -47,13 +53,26 @@ class Attention:
     rows: tuple[tuple[int, int], ...] = ()  # (index in the part's ``nodes``, bytes of its whole-sequence operands)
     whole: tuple[int, ...] = ()  # rows on the whole sequence: the layout ops between a gather and its attention
     act: dict[str, tuple[int, int]] = field(default_factory=dict)  # policy -> whole-sequence (kept, transient)
+    # the SDPA calls Ulysses can take: (query heads, key/value heads, bytes of its queries and output, of its
+    # keys and values), whole sequence, per TP rank; it takes those whose heads cp divides
+    ulysses: tuple[tuple[int, int, int, int], ...] = ()
 
 
-def cp_part(part, cp: int):
-    """``part`` as one of ``cp`` context-parallel ranks computes and holds it (see the module docstring)."""
+def ulysses_at(att: Attention | None, cp: int) -> tuple[int, int, int]:
+    """(attentions Ulysses takes on ``cp`` ranks, the bytes of their queries and outputs, of their keys and
+    values: whole sequence, batch 1)."""
+    took = [u for u in (att.ulysses if att else ()) if u[0] % cp == 0 and u[1] % cp == 0]
+    return len(took), sum(u[2] for u in took), sum(u[3] for u in took)
+
+
+def cp_part(part, cp: int, mode: str = "allgather"):
+    """``part`` as one of ``cp`` context-parallel ranks computes and holds it (see the module docstring);
+    ``mode``: ``Plan.cp_attention``."""
     if cp == 1:
         return part
     att = part.attention
+    if mode == "ulysses" and att is not None and 2 * ulysses_at(att, cp)[0] == att.gathers:
+        att = None  # every attention on 1 / cp of the heads over the whole sequence: 1 / cp of it all
     rows = dict(att.rows) if att else {}
     whole = set(att.whole) if att else set()
     nodes = []
@@ -73,33 +92,42 @@ def cp_part(part, cp: int):
                    _times={})
 
 
-def variant_cp(cache: dict, key: tuple, part, cp: int):
+def variant_cp(cache: dict, key: tuple, part, cp: int, mode: str = "allgather"):
     """:func:`cp_part` of ``part``, kept in ``cache`` under ``key``."""
     if cp == 1:
         return part
-    got = cache.get(("cp", *key))
+    got = cache.get(("cp", *key, mode))
     if got is None:
-        got = cache[("cp", *key)] = cp_part(part, cp)
+        got = cache[("cp", *key, mode)] = cp_part(part, cp, mode)
     return got
 
 
 def cp_comm(profile, part, cp: int, batch: int, inter: bool, again: bool, loss: bool,
-            share: float = 1.0) -> tuple[float, float, float]:
+            share: float = 1.0, mode: str = "allgather") -> tuple[float, float, float]:
     """(forward seconds, backward seconds, bytes this rank sends) of a microbatch of ``batch`` sequences'
-    key/value gathers in ``part`` over ``cp`` ranks (``inter``: the cp group spans nodes; ``again``: layer
-    recompute gathers again in backward; ``loss``: the part holds the loss, all-reduced over cp; ``share``:
-    the compute's share of a core, dividing what fxpar's op spends on the rank's own core)."""
+    key/value gathers (or, ``mode="ulysses"``, all-to-alls) in ``part`` over ``cp`` ranks (``inter``: the cp
+    group spans nodes; ``again``: layer recompute gathers again in backward; ``loss``: the part holds the loss,
+    all-reduced over cp; ``share``: the compute's share of a core, dividing what fxpar's op spends on the
+    rank's own core)."""
     att = part.attention
     if cp == 1:
         return 0.0, 0.0, 0.0
     fwd = bwd = sent = 0.0
-    if att is not None and att.gathers:
-        each = att.kv * batch / att.gathers  # one gathered tensor (a layer's keys, or its values)
+    took, qo, kv_u = ulysses_at(att, cp) if mode == "ulysses" else (0, 0, 0)
+    if att is not None and att.gathers > 2 * took:  # the attentions that gather their keys and values
+        kv, gathers = att.kv - kv_u, att.gathers - 2 * took
+        each = kv * batch / gathers  # one gathered tensor (a layer's keys, or its values)
         gather = profile.collective_time("all_gather", each, cp, inter) + call_time(profile, "all_gather", each) / share
         rs = profile.collective_time("reduce_scatter", each, cp, inter) + \
             call_time(profile, "reduce_scatter", each) / share
-        fwd, bwd = att.gathers * gather, att.gathers * rs
-        sent = sent_bytes("all_gather", att.kv * batch, cp) + sent_bytes("reduce_scatter", att.kv * batch, cp)
+        fwd, bwd = gathers * gather, gathers * rs
+        sent = sent_bytes("all_gather", kv * batch, cp) + sent_bytes("reduce_scatter", kv * batch, cp)
+    if took:  # Ulysses: queries, keys, values and output, this rank's rows of each, both ways
+        local = (qo + kv_u) * batch / cp
+        each = local / (4 * took)
+        a2a = profile.collective_time("all_to_all", each, cp, inter) + call_time(profile, "all_to_all", each) / share
+        fwd, bwd = fwd + 4 * took * a2a, bwd + 4 * took * a2a
+        sent += 2 * sent_bytes("all_to_all", local, cp)
     if loss:
         fwd += profile.collective_time("all_reduce", LOSS_BYTES, cp, inter)
         sent += sent_bytes("all_reduce", LOSS_BYTES, cp)

@@ -103,17 +103,17 @@ class Pricer:
         self._stage_cache: dict = {}
 
     # ---- per part --------------------------------------------------------------------------------
-    def kind(self, name: str, tp: int, sp: bool, b: int, recompute: str, world: int, dtype: str,
-             ep: int = 1, ep_inter: bool = False, fused: bool = False, cp: int = 1, cp_inter: bool = False) -> tuple:
+    def kind(self, name: str, tp: int, sp: bool, b: int, recompute: str, world: int, dtype: str, ep: int = 1,
+             ep_inter: bool = False, fused: bool = False, cp: int = 1, cp_inter: bool = False, cp_mode="allgather"):
         """(fwd, bwd incl. recompute, weight-grad, tp fwd, tp bwd, params, kept, transient, out, outputs, *ep_comm,
         *cp_comm) of one part; transient: what its backward adds on top of the kept activations (the recomputed
         forward and the gradients alive at once); outputs: the program's outputs it makes, kept to the step's end."""
-        key = (name, tp, sp, b, recompute, world, dtype, ep, ep_inter, fused, cp, cp_inter)
+        key = (name, tp, sp, b, recompute, world, dtype, ep, ep_inter, fused, cp, cp_inter, cp_mode)
         got = self._kinds.get(key)
         if got is not None:
             return got
         part = variant_part(self.costs, self._kinds, name, tp, sp, ep, fused)
-        part = variant_cp(self._kinds, (name, tp, sp, ep, fused, cp), part, cp)  # this rank's S / cp tokens
+        part = variant_cp(self._kinds, (name, tp, sp, ep, fused, cp), part, cp, cp_mode)  # this rank's S / cp tokens
         p = self.profile
         share = p.share(min(world, p.ranks_per_node))
         fwd, bwd = part.time(p, b, dtype)
@@ -131,7 +131,7 @@ class Pricer:
         got = ((fwd) / share, (bwd + extra) / share, bwd / 2 / share, tf, tb, part.params,
                act[0] * b, (act[1] + part.grad_bytes) * b, part.out_bytes * b, part.kept_out * b,
                *ep_comm(p, part, ep, b, ep_inter, again, share=share),
-               *cp_comm(p, part, cp, b, cp_inter, again, name == "post", share=share))
+               *cp_comm(p, part, cp, b, cp_inter, again, name == "post", share=share, mode=cp_mode))
         self._kinds[key] = got
         return got
 
@@ -381,13 +381,13 @@ def _tp_sent(self: Pricer, name: str, tp: int, sp: bool, b: int) -> float:
     return got
 
 
-def _variant(self: Pricer, plan: Plan) -> tuple[int, bool, bool, int, bool]:
+def _variant(self: Pricer, plan: Plan) -> tuple[int, bool, bool, int, bool, str]:
     """What ``plan`` changes in its parts beyond tp: (ep, whether an ep group spans nodes, fused loss, cp,
-    whether a cp group spans nodes)."""
+    whether a cp group spans nodes, how attention reads the sequence across cp)."""
     world, rpn = plan.world_size, self.profile.ranks_per_node
     inter = _spans_nodes(world, rpn, plan.pp * plan.tp, plan.ep)
     return (plan.ep, inter, bool(plan.fused_loss and self.costs.fused is not None), plan.cp,
-            _spans_nodes(world, rpn, plan.tp, plan.cp))
+            _spans_nodes(world, rpn, plan.tp, plan.cp), plan.cp_attention)
 
 
 @lru_cache(maxsize=1024)

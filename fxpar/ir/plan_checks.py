@@ -29,6 +29,10 @@ def check_combinations(plan) -> None:
                         "(fxpar/passes/expert_parallel.py does not compose with zero3); use zero=0, 1 or 2")
     if plan.cp > 1:
         _check_cp(plan)
+    elif plan.cp_attention != "allgather":
+        raise PlanError(f"Plan(cp_attention={plan.cp_attention!r}, cp=1): cp_attention picks how attention "
+                        "reads the sequence across context-parallel ranks, and cp=1 has none; set cp > 1, or "
+                        "leave cp_attention out")
 
 
 def _check_cp(plan) -> None:

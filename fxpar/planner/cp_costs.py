@@ -1,8 +1,10 @@
 """What context parallelism needs of a model's costs, read off the same trace as the rest of
 :class:`~fxpar.planner.model_costs.ModelCosts`: per part, the attention layers' keys and values that
 ``passes/context_parallel.py`` all-gathers (found as the pass finds them:
-:func:`fxpar.passes.cp_rules.kv_roots`), as an :class:`~fxpar.cost.context_parallel.Attention`. Their price is
-:mod:`fxpar.cost.context_parallel`; nothing is priced here.
+:func:`fxpar.passes.cp_rules.kv_roots`), and the SDPA calls Ulysses can take (:func:`fxpar.passes.cp_ulysses.plan`)
+with their head counts and the bytes their all-to-alls move, as an
+:class:`~fxpar.cost.context_parallel.Attention`. Their price is :mod:`fxpar.cost.context_parallel`; nothing is
+priced here.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from fxpar.cost.saved import storage_key
 from fxpar.ir import meta
 from fxpar.ir.numeric import nbytes
 from fxpar.ir.op_classes import LAYOUT_CHAIN
+from fxpar.passes import cp_ulysses
 from fxpar.passes.cp_rules import kv_roots, packet
 
 __all__ = ["read_attention"]
@@ -51,6 +54,12 @@ def read_attention(program, assign: dict, first: dict) -> dict[str, Attention]:
                 got["rows"][row] = got["rows"].get(row, 0) + (nbytes(operand.meta.get(meta.VAL)) or 0)
     if not found:
         return {}
+    taken = cp_ulysses.plan(program.gm, roots, 1)  # the SDPA calls Ulysses can take, where cp divides their heads
+    for n, (hq, hkv) in taken.heads.items():
+        part = assign.get(n)
+        if part in found:
+            moved = [nbytes(x.meta.get(meta.VAL)) or 0 for x in (n.args[0], n, *taken.kv[n])]
+            found[part].setdefault("ulysses", []).append((hq, hkv, moved[0] + moved[1], moved[2] + moved[3]))
     s = saves(program, (n for n in program.graph.nodes if n in assign), lambda n: assign.get(n, "pre"),
               share_context=True)
     out = {}
@@ -64,7 +73,7 @@ def read_attention(program, assign: dict, first: dict) -> dict[str, Attention]:
                       sum(b for k, b in every.items() if k in whole and k not in held))
         layers = sum(1 for n in attention if assign.get(n) == part)
         out[part] = Attention(got["kv"], got["gathers"], layers, tuple(sorted(got["rows"].items())),
-                              tuple(sorted(got["whole"])), act)
+                              tuple(sorted(got["whole"])), act, tuple(got.get("ulysses", ())))
     return out
 
 

@@ -38,18 +38,23 @@ def _batch(name: str, batch: int, seq: int, packed: bool) -> dict:
 
 
 class KvTap(TorchDispatchMode):
-    """Bytes of the fxpar gathers (forward) and reduce-scatters (their backward) on groups named ``cp:``."""
+    """Bytes of the fxpar gathers (forward) and reduce-scatters (their backward) on groups named ``cp:``, and
+    the bytes Ulysses' all-to-alls (forward and backward) send off-rank: ``(n - 1) / n`` of each input."""
 
     def __init__(self):
         super().__init__()
-        self.bytes = {"all_gather_rs_bwd": 0, "reduce_scatter": 0}
+        self.bytes = {"all_gather_rs_bwd": 0, "reduce_scatter": 0, "all_to_all": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func._schema.name.split("::")[-1]
         if func.namespace == "fxpar" and name in self.bytes and str(args[1]).startswith("cp:"):
             t = out if name == "all_gather_rs_bwd" else args[0]
-            self.bytes[name] += t.numel() * t.element_size()
+            size = t.numel() * t.element_size()
+            if name == "all_to_all":  # the block a rank keeps never leaves it
+                n = len(str(args[1]).split(":")[1].split(","))
+                size = size * (n - 1) // n
+            self.bytes[name] += size
         return out
 
 
@@ -60,13 +65,25 @@ def kv_theory(name: str, batch: int, seq: int) -> int:
     return cfg.num_hidden_layers * 2 * batch * cfg.num_key_value_heads * seq * head * 4
 
 
-def cp_training(name: str, plan: str, batch: int, seq: int, packed: bool, extras: bool) -> dict:
+def ulysses_theory(name: str, batch: int, seq: int, cp: int, tp: int, overrides: dict) -> int:
+    """Bytes a rank sends by Ulysses' all-to-alls in one forward: per layer its queries, keys, values (KV heads)
+    and output, this rank's ``seq / cp`` rows of its TP rank's heads, ``(cp - 1) / cp`` of each, fp32."""
+    cfg = zoo.tiny_config(name, **overrides)
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    heads = 2 * (cfg.num_attention_heads + cfg.num_key_value_heads) // tp
+    return cfg.num_hidden_layers * heads * batch * (seq // cp) * head * 4 * (cp - 1) // cp
+
+
+def cp_training(name: str, plan: str, batch: int, seq: int, packed: bool, extras: bool,
+                overrides: dict | None = None) -> dict:
     """One SGD step of ``plan`` next to one process; ``extras``: evaluation, inference without labels and
-    generation too (their programs cost a compile each, so a few cases check them)."""
+    generation too (their programs cost a compile each, so a few cases check them); ``overrides``: config
+    fields of the zoo model."""
     kw = _batch(name, batch, seq, packed)
-    compiled = fxpar.compile(zoo.build(name, seed=0), plan, example_kwargs=kw, optimizer=sgd, timeout=120,
-                             max_grad_norm=float("inf"))  # measured, not clipped
-    reference = zoo.build(name, seed=0)
+    overrides = overrides or {}
+    compiled = fxpar.compile(zoo.build(name, seed=0, **overrides), plan, example_kwargs=kw, optimizer=sgd,
+                             timeout=120, max_grad_norm=float("inf"))  # measured, not clipped
+    reference = zoo.build(name, seed=0, **overrides)
     opt = sgd(reference.parameters())
     with KvTap() as tap:
         loss = compiled.step(**kw)
@@ -76,7 +93,7 @@ def cp_training(name: str, plan: str, batch: int, seq: int, packed: bool, extras
     opt.step()
     state, want = compiled.full_state_dict(), reference.state_dict()
     diff = max((state[k] - v).abs().max().item() for k, v in want.items())
-    moved = max((v - zoo.build(name, seed=0).state_dict()[k]).abs().max().item() for k, v in want.items())
+    moved = max((v - zoo.build(name, seed=0, **overrides).state_dict()[k]).abs().max().item() for k, v in want.items())
     evaluated, logits, refused = 0.0, 0.0, "splits each sequence"
     if extras:
         with torch.no_grad():  # evaluation under cp: the unsplit loss; without labels, the whole logits
@@ -89,11 +106,16 @@ def cp_training(name: str, plan: str, batch: int, seq: int, packed: bool, extras
         except PlanError as e:
             refused = str(e)
     shown = fxpar.inspect(compiled, quiet=True)  # the report's gathers: per microbatch, this rank's stages
-    reported = sum(row["bytes"] for row in shown.to_dict()["context_parallel"]) * compiled.m
-    assert f"cp={compiled.plan.cp}, this rank is cp rank" in shown.to_text()
+    rows, text = shown.to_dict()["context_parallel"], shown.to_text()
+    reported = sum(row["bytes"] for row in rows if row["kind"] == "all-gather") * compiled.m
+    sent = sum(row["sent"] for row in rows if row["kind"] == "all-to-all") * compiled.m
+    assert f"cp={compiled.plan.cp}, this rank is cp rank" in text
+    p = compiled.plan
     return {"loss": abs(loss.item() - ref.item()), "weights": diff, "moved": moved, "reported": reported,
             "norm": abs(compiled.last_grad_norm - norm) / norm, "eval": evaluated, "logits": logits,
-            "kv": tap.bytes, "kv_theory": kv_theory(name, batch // compiled.plan.dp, seq), "refused": refused}
+            "kv": tap.bytes, "kv_theory": kv_theory(name, batch // p.dp, seq), "refused": refused,
+            "reported_a2a": sent, "a2a_theory": ulysses_theory(name, batch // p.dp, seq, p.cp, p.tp, overrides),
+            "kept": "kept the all-gather" in text}
 
 
 @pytest.mark.parametrize("name,plan,packed,extras", [
@@ -125,3 +147,21 @@ def test_context_parallel_trains_as_one_process(pool2, pool4, pool8, name, plan,
     for kind in ("all_gather_rs_bwd", "reduce_scatter"):
         again = 2 if kind == "all_gather_rs_bwd" and p.recompute == "layer" else 1
         assert sum(r["kv"][kind] for r in results) == results[0]["kv_theory"] * p.dp * p.cp * again, (kind, results)
+
+
+@pytest.mark.parametrize("name,plan,overrides", [
+    ("llama", "cp=2,cp_attention=ulysses", {}),  # grouped-query: 4 query heads, 2 KV heads
+    ("mistral", "cp=2,cp_attention=ulysses", {}),  # a sliding window over every layer
+    ("llama", "cp=2,tp=2,cp_attention=ulysses", {"num_key_value_heads": 4}),  # per TP rank 2 heads: 1 per cp rank
+])
+def test_ulysses_trains_as_one_process(pool2, pool4, name, plan, overrides):
+    """Ulysses (queries, keys, values and output by all-to-all, each rank attending with its heads over the
+    whole, packed sequence) equals one process; each rank sends, per layer and direction, (cp - 1) / cp of its
+    queries, keys (KV heads), values and output, and ``fxpar inspect`` shows every all-to-all."""
+    pool = {2: pool2, 4: pool4}[fxpar.Plan.parse(plan).world_size]
+    for r in pool.run(cp_training, name, plan, 4, 16, True, False, overrides, timeout=300):
+        assert r["loss"] <= TOL and r["weights"] <= TOL and r["norm"] <= TOL, r
+        assert r["moved"] > 1e-3, r
+        assert r["kv"]["all_gather_rs_bwd"] == 0 and not r["kept"], r  # no attention kept the all-gather
+        assert r["kv"]["all_to_all"] == 2 * r["a2a_theory"], r  # forward and backward
+        assert r["reported_a2a"] == r["a2a_theory"], r
