@@ -20,11 +20,12 @@ import torch.distributed as dist
 
 from fxpar.ir.errors import FxparError
 from fxpar.runtime.calibrate_step import rate_loop, typical
-from fxpar.runtime.collectives import all_gather_single
 
 __all__ = ["collective_op", "comm_share", "lm_step", "measure_optimizer_tensors", "runtime_measurements"]
 
 _GROUP = "calibrate:0,1"
+# torch's raw calls (timed without fxpar's wrapping), under the installed release's names
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -131,10 +132,10 @@ def _collective_calls(pg, me: int, sizes, reps: int) -> dict:
 
 def _ep_calls(pg, me: int, sizes, reps: int, experts: int = 4) -> dict:
     """{op: (s per call, s per byte of its input rows)} of ``torch.ops.fxpar.ep_dispatch`` / ``ep_combine``
-    (:mod:`fxpar.runtime.expert_parallel`: the layout read off the counts, the reorder into and out of the
+    (:mod:`fxpar.runtime.collectives`: the layout read off the counts, the reorder into and out of the
     static ``[2 * N, H]`` buffer, the autograd record) beyond the raw ``all_to_all_single`` of the same rows, and
     ``ep_counts`` beyond the raw all-gather of its ``experts`` counts, on two ranks with balanced routing."""
-    import fxpar.runtime.expert_parallel  # noqa: F401  (registers the ops' kernels)
+    import fxpar.runtime.collectives  # noqa: F401  (registers the ops' kernels)
 
     ops = torch.ops.fxpar
     per = torch.full((experts,), 1, dtype=torch.long)

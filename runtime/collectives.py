@@ -12,10 +12,11 @@ active now (:class:`Counting`) for records with a ``counter`` (expert parallelis
   reduction's, the dtype's and the wire format's argument positions, the ``route`` of an all-to-all, the
   observer, the counter). A new record that runs an existing pattern needs nothing here.
 
-* Kernels call the plain torch.distributed collectives (gloo on CPU, NCCL on GPU) and wait with the
-  process group's own timeout (``timeout=`` of ``init_process_group`` / ``new_group``): nothing waits
-  for ever. A failure or timeout becomes a :class:`~fxpar.ir.errors.CollectiveError` naming the op,
-  group, its ranks and shapes; so do local shape errors. Which of the ranks died is for
+* Kernels communicate through the wire of their pattern (:mod:`fxpar.runtime.dist_calls`: the plain
+  torch.distributed calls, gloo on CPU, NCCL on GPU) and wait with the process group's own timeout
+  (``timeout=`` of ``init_process_group`` / ``new_group``): nothing waits for ever. A failure or timeout
+  becomes a :class:`~fxpar.ir.errors.CollectiveError` naming the op, group, its ranks and shapes; so do
+  local shape errors. Which of the ranks died is for
   :mod:`fxpar.runtime.liveness` to say (``CompiledModel.step`` runs under its guard). Without
   torch.distributed, or on a one-rank group, every op is a copy.
 * :func:`set_shape_checks` (or ``FXPAR_CHECK_COLLECTIVES=1``) also compares shapes across ranks before
@@ -96,30 +97,23 @@ def _backend_of(pg, device: torch.device) -> str:
     return by_device.get(device.type, "")
 
 
-def _communicate(op: str, group: str, x: torch.Tensor, launch: Callable[[], object]) -> None:
-    """Start a collective (``launch`` returns its work handle) and wait for it, at most the process group's
-    timeout; a failure is a CollectiveError naming the op, group, ranks and shape (:func:`dist_calls.run`)."""
-    dist_calls.run(op, group, x, launch)
-
-
-def _cross_check(op: str, group: str, pg, x: torch.Tensor) -> None:
+def _cross_check(op: str, group: str, x: torch.Tensor) -> None:
     """With shape checks on: every rank of the group must bring the same shape and dtype."""
     if not _shape_checks():
         return
     mine = (tuple(x.shape), str(x.dtype))
-    seen: list = [None] * pg.size()
-    _communicate(op, group, x, lambda: dist.all_gather_object(seen, mine, group=pg))
+    seen = dist_calls.all_gather_object(mine, group, call=op, about=x)
     if any(s != mine for s in seen):
         listing = ", ".join(f"rank {r}: {s[0]} {s[1]}" for r, s in enumerate(seen))
         raise CollectiveError(f"the ranks' inputs differ ({listing}); every rank must pass the same shape",
                               op=op, group=group, sizes=[s[0] for s in seen])
 
 
-# torch's single-tensor all-gather / reduce-scatter under the installed release's names (module globals:
-# tests count the bytes at these calls by replacing them)
-_all_gather_single = dist_calls.ALL_GATHER_SINGLE
-_reduce_scatter_single = dist_calls.REDUCE_SCATTER_SINGLE
-all_gather_single = _all_gather_single  # torch's single-tensor all-gather under its current name
+# the wire of the all_gather and reduce_scatter patterns (module globals: tests count the bytes at these
+# calls by replacing them)
+_all_gather_single = dist_calls.all_gather_into
+_reduce_scatter_single = dist_calls.reduce_scatter_into
+all_gather_single = _all_gather_single  # (out, t, group=None): the all_gather pattern's single-tensor wire call
 
 
 def _copy(x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +150,8 @@ class Call:
 
 class Counting:
     """The counters the kernels of records with a ``counter`` add the bytes they send off-rank to now
-    (``active.comm``: key -> bytes): a per-process slot, because torch's custom-op machinery calls the
+    (``active.comm``: key -> bytes), and that a record's ``tally`` hook tells of its output (``ep_counts``:
+    the load per MoE layer): a per-process slot, because torch's custom-op machinery calls the
     kernels with the op's arguments only (tensors, names), so no counter object can be passed to them. The
     expert-parallel record makes its own counters the active ones for its step
     (:meth:`fxpar.runtime.expert_parallel.ExpertParallelRecord.start` / ``finish``); a kernel run outside a
@@ -177,15 +172,13 @@ def _count(c: Call, sent: int) -> None:
 def _all_reduce(c: Call) -> torch.Tensor:
     name, x, group, op = c.rec.name, c.x, c.group, c.at(c.rec.reduce_arg)
     check_reduce_op(name, group, op, x)
-    pg, n, _ = _membership(name, group)
+    _, n, _ = _membership(name, group)
     out = _copy(x)
     if n == 1 or x.numel() == 0:
         return out
-    _cross_check(name, group, pg, x)
+    _cross_check(name, group, x)
     # "avg" is a sum then a division on every backend: one code path, and older gloo rejects ReduceOp.AVG.
-    red = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
-           "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    _communicate(name, group, x, lambda: dist.all_reduce(out, op=red, group=pg, async_op=True))
+    dist_calls.all_reduce(out, group, op="sum" if op == "avg" else op, call=name, about=x)
     if op == "avg":
         out.div_(n)
     return out
@@ -195,17 +188,20 @@ def _identity(c: Call) -> torch.Tensor:
     return _copy(c.x)
 
 
-def _gather_impl(op: str, x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
+def _gather_impl(c: Call, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` of every rank concatenated along ``dim``; the bytes sent off-rank counted for ``c``'s record."""
+    op, group = c.rec.name, c.group
     d = check_dim(op, group, x, dim)
-    pg, n, _ = _membership(op, group)
+    _, n, _ = _membership(op, group)
     if n == 1:
         return _copy(x)
-    _cross_check(op, group, pg, x)
+    _cross_check(op, group, x)
     # The single-tensor all-gather concatenates along dim 0: bring dim to the front, gather, move back.
     front = x.movedim(d, 0).contiguous()
     buf = front.new_empty((n * front.shape[0], *front.shape[1:]))
     if x.numel():
-        _communicate(op, group, x, lambda: _all_gather_single(buf, front, group=pg, async_op=True))
+        _all_gather_single(buf, front, group=group, call=op, about=x)
+    _count(c, front.numel() * front.element_size() * (n - 1))
     return buf.movedim(0, d).contiguous()
 
 
@@ -260,34 +256,39 @@ def _gather_params_int8(x: torch.Tensor, group: str, dim: int, dtype: torch.dtyp
     another's statistics."""
     d = check_dim(op, group, x, dim)
     _check_float(op, group, x, comm_dtype)
-    pg, n, _ = _membership(op, group)
+    _, n, _ = _membership(op, group)
     front = x.movedim(d, 0).contiguous()
     if n == 1 or not x.numel():
         return _copy(front.to(dtype)).movedim(0, d).contiguous()
     packed = _int8_pack(front.view(-1), 1, 0)
-    _cross_check(op, group, pg, packed)
+    _cross_check(op, group, packed)
     buf = packed.new_empty(n * packed.numel())
-    _communicate(op, group, packed, lambda: _all_gather_single(buf, packed, group=pg, async_op=True))
+    _all_gather_single(buf, packed, group=group, call=op)
     full = _int8_unpack(buf, n, front.numel(), dtype)
     return full.view(n * front.shape[0], *front.shape[1:]).movedim(0, d).contiguous()
 
 
 def _all_gather(c: Call) -> torch.Tensor:
-    """Along ``dim``, cast first (the record's ``cast_arg``), in the wire format (``comm_dtype_arg``)."""
-    rec, x, group, dim = c.rec, c.x, c.group, c.args["dim"]
+    """Along ``dim`` (dim 0 without one) of what the record's ``prepare`` makes of the input, cast first (the
+    record's ``cast_arg``), in the wire format (``comm_dtype_arg``); the output told to the observer
+    (``observed``) and to the active counters' ``tally``."""
+    rec, x, group, dim = c.rec, c.x, c.group, c.args.get("dim", 0)
     dtype, comm_dtype = c.at(rec.cast_arg), c.at(rec.comm_dtype_arg)
     wire.check_comm_dtype(rec.name, group, comm_dtype, rec.comm_dtypes)
     if comm_dtype is None:
-        out = _gather_impl(rec.name, x if dtype is None else x.to(dtype), group, dim)
+        sent = x if rec.prepare is None else rec.prepare(x)
+        out = _gather_impl(c, sent if dtype is None else sent.to(dtype), dim)
     else:
         out = _gather_params_int8(x, group, dim, dtype or x.dtype, comm_dtype, rec.name)
     observer = _param_gather_observer.get() if rec.observed else None
     if observer is not None:
         observer(out, x, group, dim, dtype, comm_dtype)
+    if rec.tally is not None and Counting.active is not None:
+        rec.tally(Counting.active, out, c.args)
     return out
 
 
-def _reduce_scatter_int8(x: torch.Tensor, group: str, d: int, k: int, pg, n: int, rank: int,
+def _reduce_scatter_int8(x: torch.Tensor, group: str, d: int, k: int, n: int, rank: int,
                          op: str = "reduce_scatter") -> torch.Tensor:
     """ZeRO++ qgZ: slice ``r`` of this rank's ``x`` goes to rank ``r`` block-quantized (int8 codes + fp32
     scales, one all-to-all), and each rank sums the ``n`` slices it holds in fp32. Its own slice never
@@ -299,9 +300,9 @@ def _reduce_scatter_int8(x: torch.Tensor, group: str, d: int, k: int, pg, n: int
     flat = front.view(-1)
     m = flat.numel() // n
     send = torch.cat([_int8_pack(flat, n, r) for r in range(n)])
-    _cross_check(op, group, pg, send)
+    _cross_check(op, group, send)
     recv = torch.empty_like(send)
-    _communicate(op, group, x, lambda: dist.all_to_all_single(recv, send, group=pg, async_op=True))
+    dist_calls.all_to_all_into(recv, send, group, call=op, about=x)
     parts = _int8_unpack(recv, n, m, torch.float32).view(n, m)
     parts[rank] = flat[rank * m:(rank + 1) * m]  # this rank's own slice, unquantized
     out = parts.sum(0, dtype=torch.float32).to(x.dtype)
@@ -318,8 +319,8 @@ def _reduce_scatter(c: Call) -> torch.Tensor:
     if n == 1:
         return _copy(x)
     if comm_dtype is not None and x.numel():
-        return _reduce_scatter_int8(x, group, d, k, pg, n, rank, op)
-    _cross_check(op, group, pg, x)
+        return _reduce_scatter_int8(x, group, d, k, n, rank, op)
+    _cross_check(op, group, x)
     if _backend_of(pg, x.device) == "gloo":
         # Gloo has no reduce-scatter algorithm of its own: where a torch release offers a single-tensor
         # reduce-scatter on gloo at all, it is an all-reduce followed by taking this rank's chunk (twice
@@ -328,14 +329,13 @@ def _reduce_scatter(c: Call) -> torch.Tensor:
         # the 2x visible where it happens. Gloo is our CPU test backend, so the traffic does not matter.
         full = _copy(x)
         if x.numel():
-            _communicate(op, group, x, lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg, async_op=True))
+            dist_calls.all_reduce(full, group, call=op, about=x)
         return _copy(full.narrow(d, rank * k, k))  # a copy: a view (dim 0) would keep the whole sum alive
     # Native path (NCCL, ...): the single-tensor reduce-scatter splits along dim 0.
     front = x.movedim(d, 0).contiguous()
     out = front.new_empty((k, *front.shape[1:]))
     if x.numel():
-        _communicate(op, group, x,
-                     lambda: _reduce_scatter_single(out, front, op=dist.ReduceOp.SUM, group=pg, async_op=True))
+        _reduce_scatter_single(out, front, group=group, call=op, about=x)
     return out.movedim(0, d).contiguous()
 
 
@@ -353,7 +353,7 @@ def _all_to_all(c: Call) -> torch.Tensor:
     itself never leave it, and only the others count. No cross-rank shape check: the ranks' row counts
     differ by design."""
     rec, x, group = c.rec, c.x, c.group
-    pg, n, me = _membership(rec.name, group)
+    _, n, me = _membership(rec.name, group)
     if rec.check is not None:
         rec.check(rec.name, group, x, c.args, n)
     rows, send, recv, finish = rec.route(x, c.args, n, me)
@@ -361,8 +361,8 @@ def _all_to_all(c: Call) -> torch.Tensor:
     if n == 1:
         got.copy_(rows[:got.shape[0]])
     else:
-        _communicate(rec.name, group, rows, lambda: dist.all_to_all_single(got, rows.contiguous(), recv, send,
-                                                                          group=pg, async_op=True))
+        dist_calls.all_to_all_into(got, rows.contiguous(), group, out_splits=recv, in_splits=send, call=rec.name,
+                                   about=rows)
     _count(c, (sum(send) - send[me]) * math.prod(rows.shape[1:]) * rows.element_size())
     return finish(got)
 

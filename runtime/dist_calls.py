@@ -1,17 +1,23 @@
-"""The runtime's torch.distributed calls outside the IR's collective ops: the DP engine's bucket
-reductions, the loss's average, gradient norms, tied weights, gathering the full state, checkpoint
-transfers, and the small object gathers of set-up. Besides this module only the kernels of fxpar's ops
-(:mod:`fxpar.runtime.collectives`, expert parallelism's, the collective matmuls'), which wrap their own
-calls alike, the pipeline's transfers and the calibration call torch.distributed's collectives
-(``tests/test_collective_calls.py`` checks it), so every collective of fxpar behaves alike:
+"""The wire of every communication pattern of :data:`fxpar.ir.collectives.COMMS`: the one module of fxpar
+that calls torch.distributed's collectives and transfers (calibration, which times the raw calls, apart;
+``tests/test_collective_calls.py`` checks it). :data:`WIRES` keys each call here by its pattern.
+
+Who calls it: the kernels of the records' ops (:mod:`fxpar.runtime.collectives`: one implementation per
+pattern of :data:`fxpar.ir.collectives.PATTERNS`, which count the bytes of records with a ``counter``), the
+collective matmuls' chunks (:mod:`fxpar.runtime.kernels.collective_matmul`), the pipeline's transfers
+(:mod:`fxpar.runtime.pipeline`), and the runtime's other collectives: the DP engine's bucket reductions,
+the loss's average, gradient norms, tied weights, gathering the full state, checkpoint transfers, the small
+object gathers of set-up. So every collective of fxpar behaves alike:
 
 * a wait is bounded by the process group's timeout (``Work.wait()`` without an argument: gloo raises,
-  NCCL's watchdog aborts), nothing waits for ever;
+  NCCL's watchdog aborts; the pipeline passes its own), nothing waits for ever;
 * a failure or timeout becomes a :class:`~fxpar.ir.errors.CollectiveError` naming the call, the group,
   its ranks, the tensor's shape and dtype; which rank died is :mod:`fxpar.runtime.liveness`'s to say.
 
 ``group`` is a group name of :mod:`fxpar.runtime.groups`, a process group, or None (the default group).
-Asynchronous calls return a :class:`Pending` whose ``wait()`` does the same.
+Asynchronous calls return a :class:`Pending` whose ``wait()`` does the same. ``call`` / ``about``: what
+an error names as the call and the input (default: the function's name and the tensor it sends), so a
+record's kernel names its op (``fxpar.gather_params on group 'dp:0,1'``) and the tensor it was given.
 
 Reads: tensors, group names / process groups. Writes: the tensors the call fills.
 """
@@ -27,11 +33,24 @@ import torch.distributed as dist
 from fxpar.ir.errors import CollectiveError
 from fxpar.runtime.groups import resolve_group
 
-__all__ = ["Pending", "all_gather_into", "all_gather_list", "all_gather_object", "all_reduce", "barrier",
-           "gather_object", "broadcast", "recv", "reduce_scatter_into", "send"]
+__all__ = ["WIRES", "Pending", "all_gather_into", "all_gather_list", "all_gather_object", "all_reduce",
+           "all_to_all_into", "barrier", "broadcast", "gather_object", "recv", "reduce_scatter_into", "run",
+           "send"]
+
+# pattern of fxpar.ir.collectives.COMMS -> the calls here that run it. A barrier is an all-reduce of no
+# payload (as NCCL runs it); an object gather all-gathers the pickled sizes, then the payloads (to one
+# rank for gather_object).
+WIRES: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("all_reduce", "barrier"),
+    "all_gather": ("all_gather_into", "all_gather_list", "all_gather_object", "gather_object"),
+    "reduce_scatter": ("reduce_scatter_into",),
+    "all_to_all": ("all_to_all_into",),
+    "broadcast": ("broadcast",),
+    "send": ("send", "recv"),
+}
 
 # all_gather_single / reduce_scatter_single are the names since torch 2.13; older releases (our floor is
-# 2.6) call them all_gather_into_tensor / reduce_scatter_tensor. fxpar.runtime.collectives reads them here.
+# 2.6) call them all_gather_into_tensor / reduce_scatter_tensor
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -66,17 +85,17 @@ def _failure(call: str, group, x, e: BaseException) -> CollectiveError:
 
 
 class Pending:
-    """An asynchronous call in flight: :meth:`wait` waits at most the group's timeout and raises a
-    :class:`CollectiveError` on a failure."""
+    """An asynchronous call in flight: :meth:`wait` waits at most the group's timeout (or ``timeout``, a
+    ``timedelta``) and raises a :class:`CollectiveError` on a failure; a second wait is a no-op."""
 
     def __init__(self, call: str, group, x, work):
         self.call, self.group, self.x, self.work = call, group, x, work
 
-    def wait(self) -> None:
+    def wait(self, timeout=None) -> None:
         if self.work is None:
             return
         try:
-            self.work.wait()
+            self.work.wait() if timeout is None else self.work.wait(timeout)
         except RuntimeError as e:  # DistBackendError and gloo's timeouts are RuntimeErrors
             raise _failure(self.call, self.group, self.x, e) from e
         finally:
@@ -85,8 +104,7 @@ class Pending:
 
 def run(call: str, group, x, launch: Callable[[], Any], async_op: bool = False) -> Pending | None:
     """Start a call (``launch`` returns its work handle, or None once done) and, unless ``async_op``, wait
-    for it: the one way every collective of fxpar is started and waited for (the IR ops' kernels in
-    :mod:`fxpar.runtime.collectives` come through here too). ``call`` names it in errors."""
+    for it: the one way every call here is started and waited for. ``call`` names it in errors."""
     try:
         work = launch()
     except RuntimeError as e:
@@ -98,56 +116,72 @@ def run(call: str, group, x, launch: Callable[[], Any], async_op: bool = False) 
     return None
 
 
-def all_reduce(t: torch.Tensor, group=None, *, op: str = "sum", async_op: bool = False) -> Pending | None:
+def _go(default: str, call, group, t, about, launch, async_op: bool) -> Pending | None:
+    return run(call or default, group, t if about is None else about, launch, async_op)
+
+
+def all_reduce(t: torch.Tensor, group=None, *, op: str = "sum", async_op: bool = False, call: str | None = None,
+               about=None) -> Pending | None:
     """Reduce ``t`` in place over ``group`` ("sum", "max" or "min")."""
-    return run("all_reduce", group, t, lambda: dist.all_reduce(t, op=_OPS[op], group=_pg(group), async_op=True),
-                async_op)
+    return _go("all_reduce", call, group, t, about,
+               lambda: dist.all_reduce(t, op=_OPS[op], group=_pg(group), async_op=True), async_op)
 
 
-def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group=None, *, async_op: bool = False) -> Pending | None:
-    """Sum ``t`` over ``group`` and write this rank's ``1 / size`` of it into ``out``."""
-    return run("reduce_scatter", group, t,
-                lambda: REDUCE_SCATTER_SINGLE(out, t, group=_pg(group), async_op=True), async_op)
+def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group=None, *, async_op: bool = False,
+                        call: str | None = None, about=None) -> Pending | None:
+    """Sum ``t`` over ``group`` and write this rank's ``1 / size`` of it (along dim 0) into ``out``."""
+    return _go("reduce_scatter", call, group, t, about,
+               lambda: REDUCE_SCATTER_SINGLE(out, t, op=dist.ReduceOp.SUM, group=_pg(group), async_op=True),
+               async_op)
 
 
-def all_gather_into(out: torch.Tensor, t: torch.Tensor, group=None, *, async_op: bool = False) -> Pending | None:
-    """Every rank's ``t`` of ``group``, back to back, into ``out``."""
-    return run("all_gather", group, t, lambda: ALL_GATHER_SINGLE(out, t, group=_pg(group), async_op=True), async_op)
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group=None, *, async_op: bool = False,
+                    call: str | None = None, about=None) -> Pending | None:
+    """Every rank's ``t`` of ``group``, back to back along dim 0, into ``out``."""
+    return _go("all_gather", call, group, t, about,
+               lambda: ALL_GATHER_SINGLE(out, t, group=_pg(group), async_op=True), async_op)
 
 
 def all_gather_list(parts: list[torch.Tensor], t: torch.Tensor, group=None) -> None:
     """Every rank's ``t`` of ``group`` into ``parts`` (one tensor per rank, shapes may differ by rank)."""
-    run("all_gather", group, t, lambda: dist.all_gather(parts, t, group=_pg(group), async_op=True), False)
+    run("all_gather", group, t, lambda: dist.all_gather(parts, t, group=_pg(group), async_op=True))
+
+
+def all_to_all_into(out: torch.Tensor, t: torch.Tensor, group=None, *, out_splits=None, in_splits=None,
+                    async_op: bool = False, call: str | None = None, about=None) -> Pending | None:
+    """Rows of ``t`` (dim 0) to every rank of ``group``, ``in_splits[r]`` of them to rank ``r`` (equal parts
+    without), and theirs into ``out`` (``out_splits[r]`` rows from rank ``r``)."""
+    return _go("all_to_all", call, group, t, about, lambda: dist.all_to_all_single(
+        out, t, output_split_sizes=out_splits, input_split_sizes=in_splits, group=_pg(group), async_op=True), async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, group=None) -> None:
     """Rank ``src``'s (a global rank) ``t`` into every rank's ``t``."""
-    run("broadcast", group, t, lambda: dist.broadcast(t, src, group=_pg(group), async_op=True), False)
+    run("broadcast", group, t, lambda: dist.broadcast(t, src, group=_pg(group), async_op=True))
 
 
-def send(t: torch.Tensor, dst: int) -> None:
-    """``t`` to global rank ``dst`` (it waits until the transfer is done)."""
-    run("send", None, t, lambda: dist.isend(t, dst), False)
+def send(t: torch.Tensor, dst: int, group=None, *, async_op: bool = False, call: str | None = None,
+         about=None) -> Pending | None:
+    """``t`` to global rank ``dst`` (without ``async_op``, it waits until the transfer is done)."""
+    return _go("send", call, group, t, about, lambda: dist.isend(t, dst, group=_pg(group)), async_op)
 
 
-def recv(t: torch.Tensor, src: int) -> None:
+def recv(t: torch.Tensor, src: int, group=None, *, async_op: bool = False, call: str | None = None,
+         about=None) -> Pending | None:
     """Global rank ``src``'s message into ``t``."""
-    run("recv", None, t, lambda: dist.irecv(t, src), False)
+    return _go("recv", call, group, t, about, lambda: dist.irecv(t, src, group=_pg(group)), async_op)
 
 
 def barrier(group=None) -> None:
     """Wait until every rank of ``group`` is here."""
-    run("barrier", group, None, lambda: dist.barrier(group=_pg(group), async_op=True), False)
+    run("barrier", group, None, lambda: dist.barrier(group=_pg(group), async_op=True))
 
 
-def all_gather_object(obj: Any, group=None) -> list[Any]:
+def all_gather_object(obj: Any, group=None, *, call: str | None = None, about=None) -> list[Any]:
     """Every rank's picklable ``obj`` of ``group``, in rank order."""
     pg = _pg(group)
     out: list[Any] = [None] * dist.get_world_size(pg)
-    try:
-        dist.all_gather_object(out, obj, group=pg)
-    except RuntimeError as e:
-        raise _failure("all_gather_object", group, None, e) from e
+    _go("all_gather_object", call, group, None, about, lambda: dist.all_gather_object(out, obj, group=pg), False)
     return out
 
 
@@ -155,8 +189,5 @@ def gather_object(obj: Any, dst: int = 0, group=None) -> list[Any] | None:
     """Every rank's picklable ``obj`` of ``group`` on global rank ``dst`` (in rank order); None elsewhere."""
     pg = _pg(group)
     out: list[Any] | None = [None] * dist.get_world_size(pg) if dist.get_rank() == dst else None
-    try:
-        dist.gather_object(obj, out, dst=dst, group=pg)
-    except RuntimeError as e:
-        raise _failure("gather_object", group, None, e) from e
+    run("gather_object", group, None, lambda: dist.gather_object(obj, out, dst=dst, group=pg))
     return out

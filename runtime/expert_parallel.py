@@ -1,12 +1,11 @@
-"""The real kernels of the expert-parallel ops (schemas, fakes, autograd: :mod:`fxpar.ir.expert_ops`), their
-byte counts and the MoE load statistics of the last step.
+"""The byte counts of the expert-parallel ops (:mod:`fxpar.ir.expert_ops`) and the MoE load statistics of the
+last step.
 
-Reads: tensors, group names (resolved by :mod:`fxpar.runtime.groups`) at run time. Writes: the kernel of
-``fxpar::ep_counts`` (importing this module registers it) and the counters of the step running now
-(:class:`EpCounters`, made the active :class:`fxpar.runtime.collectives.Counting` by ``CompiledModel.ep``
-around each step). ``ep_dispatch`` / ``ep_combine`` are records of :mod:`fxpar.ir.collectives`: the runtime's
-one ``all_to_all`` pattern runs them (:mod:`fxpar.runtime.collectives`), as :mod:`fxpar.ir.ep_layout` lays
-their rows out, and counts their bytes into the same counters.
+Reads: what the ops' kernels count. Writes: the counters of the step running now (:class:`EpCounters`, made
+the active :class:`fxpar.runtime.collectives.Counting` by ``CompiledModel.ep`` around each step). The three
+ops are records of :mod:`fxpar.ir.collectives`: the runtime's ``all_gather`` and ``all_to_all`` patterns run
+them (:mod:`fxpar.runtime.collectives`), as :mod:`fxpar.ir.ep_layout` lays their counts and rows out, and
+count their bytes (the records' ``counter``) and loads (``ep_counts``' ``tally``) into these counters.
 
 * ``ep_counts``: one all-gather of the ``E`` per-expert counts over the ep group (``E * ep`` int64).
 * ``ep_dispatch``: split sizes from the counts, one ``all_to_all_single`` of the rows (a rank's rows for
@@ -28,9 +27,7 @@ from collections import defaultdict
 
 import torch
 
-from fxpar.ir import expert_ops
 from fxpar.runtime.collectives import Counting as _Counting
-from fxpar.runtime.collectives import _communicate, _membership, all_gather_single
 
 
 class EpCounters:
@@ -51,10 +48,6 @@ class EpCounters:
         rank's ep group, every microbatch), ``tokens_per_rank`` (what each ep rank's experts received),
         ``imbalance`` (max / mean of ``tokens_per_rank``; 1.0 is perfect balance)."""
         return {"comm": dict(self.comm), "load": load_stats(self.load)}
-
-
-def _counters() -> EpCounters:
-    return _Counting.active if _Counting.active is not None else EpCounters()
 
 
 def load_stats(counts: dict[str, torch.Tensor]) -> dict[str, dict]:
@@ -111,19 +104,3 @@ class ExpertParallelRecord:
     def __repr__(self) -> str:
         return f"ExpertParallelRecord(layers={self.info.layers if self.info else []}, comm={self.comm})"
 
-
-def _ep_counts(offs: torch.Tensor, group: str, layer: str) -> torch.Tensor:
-    pg, n, _ = _membership("ep_counts", group)
-    counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
-    out = counts.new_empty((n, counts.numel()))
-    if n == 1:
-        out.copy_(counts.view(1, -1))
-    else:
-        _communicate("ep_counts", group, counts, lambda: all_gather_single(out.view(-1), counts, group=pg,
-                                                                          async_op=True))
-        _counters().comm["counts"] += counts.numel() * counts.element_size() * (n - 1)
-    _counters().add_load(layer, out)
-    return out
-
-
-expert_ops.ep_counts.register_kernel(None, _ep_counts)

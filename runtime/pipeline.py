@@ -14,7 +14,8 @@ and so are torch's split-backward helpers for the zero-bubble ``I``/``W`` action
 Transport: every rank can compute every other rank's send order from the schedule, so receives are
 posted in exactly the order the sender sends. That matching rule works for NCCL (which ignores tags)
 as for gloo. Sends are asynchronous; a rank blocks only when it needs a value, with a timeout that
-names the value and the rank it waited for.
+names the value and the rank it waited for. The transfers are the ``send`` pattern's wire
+(:mod:`fxpar.runtime.dist_calls`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from fxpar.ir.errors import PipelineError
+from fxpar.ir.errors import CollectiveError, PipelineError
 from fxpar.ir.schedule import Action
 from fxpar.ir.stage import PipelineProgram, StageSpec
+from fxpar.runtime import dist_calls
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class Transport:
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         tensor = tensor.detach().contiguous()
-        self.pending_sends.append((dist.isend(tensor, dst=self.ranks[dst], group=self.group), tensor))
+        self.pending_sends.append((dist_calls.send(tensor, self.ranks[dst], self.group, async_op=True), tensor))
 
     def recv(self, msg: _Msg, src: int) -> torch.Tensor:
         queue = self.expected.get(src, [])
@@ -92,12 +93,14 @@ class Transport:
                                     "(schedule and routing disagree)")
             m = queue[k]
             buf = self._buffer(m)
-            self.inbox[m] = (buf, dist.irecv(buf, src=self.ranks[src], group=self.group))
+            self.inbox[m] = (buf, dist_calls.recv(buf, self.ranks[src], self.group, async_op=True))
             self.posted[src] = k + 1
         buf, work = self.inbox.pop(msg)
         try:
             work.wait(self.timeout)
-        except Exception as exc:
+        except Exception as error:
+            # the backend's own error, not the wire's wrapping of it: this message names what it waited for
+            exc = error.__cause__ if isinstance(error, CollectiveError) and error.__cause__ else error
             raise PipelineError(
                 f"pipeline rank {self.me} (global {self.ranks[self.me]}) failed (or timed out: limit "
                 f"{self.timeout.total_seconds():.0f} s) waiting for {msg.kind} of stage {msg.stage} output "

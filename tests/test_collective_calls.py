@@ -1,6 +1,7 @@
-"""Every torch.distributed collective of fxpar goes through the modules that wrap it (a bounded wait, a
-CollectiveError naming the call, group, ranks and shape): a lint over the product code's syntax trees,
-and the wrapper's error on a failing call."""
+"""Every torch.distributed collective of fxpar goes through the wire of its communication pattern
+(fxpar.runtime.dist_calls: a bounded wait, a CollectiveError naming the call, group, ranks and shape): a
+lint over the product code's syntax trees, every wire call keyed by a pattern of the records, and the
+wrapper's error on a failing call."""
 
 from __future__ import annotations
 
@@ -18,42 +19,60 @@ CALLS = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_singl
          "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list"}
 # the modules that may call them, and why
 ALLOWED = {
-    "runtime/collectives.py": "the kernels of the IR's collective ops (EP's all-to-alls included): one per pattern",
-    "runtime/dist_calls.py": "the runtime's other collectives, wrapped",
-    "runtime/kernels/collective_matmul.py": "the chunked collectives of its ops, inside its _start/_finish",
-    "runtime/pipeline.py": "the pipeline's transfers: their waits raise a PipelineError naming stage, microbatch, peer",
+    "runtime/dist_calls.py": "the wire of every communication pattern of fxpar.ir.collectives.COMMS, each call "
+                             "wrapped; the records' kernels, the collective matmuls, the pipeline and the rest of "
+                             "the runtime call it",
     "runtime/calibrate.py": "fxpar calibrate times the raw calls",
     "runtime/calibrate_runtime.py": "fxpar calibrate times the raw calls",
     "fxpar/cli/calibrate_pipeline.py": "fxpar calibrate times the raw calls",
 }
 
 
-def _dist_names(tree: ast.AST) -> tuple[set[str], set[str]]:
-    """Names bound to torch.distributed (``import torch.distributed as dist``) and collectives imported
-    from it by name."""
+def _dist_names(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """Names bound to torch.distributed (``import torch.distributed as dist``), and collectives imported
+    from it by name or bound to a module-level name (``ALL_GATHER = dist.all_gather_into_tensor``)."""
     modules, direct = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             modules |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
         elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
             direct |= {a.asname or a.name for a in node.names if a.name in CALLS}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(_taken(n, modules) for n in ast.walk(node.value)):
+            direct |= {t.id for t in node.targets if isinstance(t, ast.Name)}
     return modules, direct
 
 
-def _calls(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text())
-    modules, direct = _dist_names(tree)
-    found = []
+def _is_dist(v: ast.AST, modules: set[str]) -> bool:
+    return (isinstance(v, ast.Name) and v.id in modules) or ast.unparse(v) == "torch.distributed"
+
+
+def _taken(node: ast.AST, modules: set[str]) -> bool:
+    """``dist.<collective>`` or ``getattr(dist, "<collective>")``."""
+    if isinstance(node, ast.Attribute):
+        return node.attr in CALLS and _is_dist(node.value, modules)
+    return (isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and len(node.args) > 1
+            and _is_dist(node.args[0], modules) and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in CALLS)
+
+
+def _calls(path: Path, tree: ast.AST | None = None) -> list[str]:
+    """The calls of torch.distributed collectives in ``path`` (or in ``tree``, a part of it), then the
+    collectives taken without a call (``f = dist.all_gather_into_tensor``, ``getattr(dist, "...")``)."""
+    modules, direct = _dist_names(ast.parse(path.read_text()))
+    tree = tree or ast.parse(path.read_text())
+    found, called = [], set()
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
         f = node.func
-        if isinstance(f, ast.Attribute) and f.attr in CALLS and (
-                (isinstance(f.value, ast.Name) and f.value.id in modules)
-                or ast.unparse(f.value) == "torch.distributed"):
+        called.add(id(f))
+        if isinstance(f, ast.Attribute) and f.attr in CALLS and _is_dist(f.value, modules):
             found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(f)}")
         elif isinstance(f, ast.Name) and f.id in direct:
             found.append(f"{path.relative_to(ROOT)}:{node.lineno} {f.id}")
+    found += [f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}" for node in ast.walk(tree)
+              if id(node) not in called and _taken(node, modules)]
     return found
 
 
@@ -63,6 +82,34 @@ def test_no_collective_outside_the_wrappers():
     stray = [c for p in files if str(p.relative_to(ROOT)) not in ALLOWED for c in _calls(p)]
     assert not stray, "call these through fxpar.runtime.dist_calls (or an IR op):\n" + "\n".join(stray)
     assert all((ROOT / p).exists() for p in ALLOWED)
+
+
+def test_every_wire_call_belongs_to_a_pattern():
+    """fxpar.runtime.dist_calls keys each of its calls by a communication pattern of the records
+    (fxpar.ir.collectives.COMMS), and only those functions call torch.distributed."""
+    from fxpar.ir.collectives import COMMS
+    from fxpar.runtime import dist_calls
+
+    keyed = [name for names in dist_calls.WIRES.values() for name in names]
+    assert set(dist_calls.WIRES) == set(COMMS)
+    assert sorted(keyed) == sorted(set(dist_calls.__all__) - {"WIRES", "Pending", "run"})
+    path = ROOT / "runtime" / "dist_calls.py"
+    calling = {f.name for f in ast.parse(path.read_text()).body if isinstance(f, ast.FunctionDef)
+               and _calls(path, f)}
+    assert calling == set(keyed)
+
+
+def test_the_lint_sees_a_collective_taken_without_a_call(tmp_path):
+    code = ("import torch.distributed as dist\nf = dist.all_gather_into_tensor\n"
+            "g = getattr(dist, 'reduce_scatter_single', None)\nop = dist.ReduceOp.SUM\ng(x, y)\n")
+    (tmp_path / "m.py").write_text(code)
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert [c.split(" ", 1)[1] for c in _calls(tmp_path / "m.py")] == [
+            "g", "dist.all_gather_into_tensor", "getattr(dist, 'reduce_scatter_single', None)"]
+    finally:
+        ROOT = saved
 
 
 def test_the_lint_sees_each_way_of_calling(tmp_path):

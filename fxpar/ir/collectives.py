@@ -15,11 +15,14 @@ its wire format argument is), and the report through :mod:`fxpar.cost.comm` and
 A new collective that communicates like an existing one is one :class:`Collective` entry of
 :data:`COLLECTIVES` (plus its test): nothing else names it. A new communication pattern is one :class:`Comm`
 entry (its ring cost) and, when ops run it, one name in :data:`PATTERNS` with its implementation in
-:mod:`fxpar.runtime.collectives` (``tests/runtime/test_collectives.py`` checks that every pattern has one).
+:mod:`fxpar.runtime.collectives` (``tests/runtime/test_collectives.py`` checks that every pattern has one),
+over its wire call keyed by the :class:`Comm`'s name in :data:`fxpar.runtime.dist_calls.WIRES`, the one module
+that calls torch.distributed's collectives (``tests/test_collective_calls.py``).
 What a record's fields cannot say is a hook on the record, a plain function here or in
 :mod:`fxpar.ir.ep_layout`: ``all_reduce``'s gradient depends on its reduction, ``gather_params``' gradient
 goes in its input's dtype and its wire format's gradient format, the expert-parallel all-to-alls take
-their split sizes from a counts tensor.
+their split sizes from a counts tensor, ``ep_counts`` gathers the counts its cumulative input gives and
+tells the step's counters of them.
 """
 
 from __future__ import annotations
@@ -87,7 +90,9 @@ class Collective:
     lowered), ``comm_dtypes`` the formats it takes; ``reduce_arg``: of the reduction's name ("sum", ...).
     ``check(op, group, x, args, n)``: a local check of the arguments (fake and real kernels);
     ``route(x, args, n, rank)``: the ``"all_to_all"`` pattern's rows, split sizes and output
-    (:mod:`fxpar.ir.ep_layout`). ``counter``: the key under which the runtime counts the bytes each call
+    (:mod:`fxpar.ir.ep_layout`). ``prepare(x)``: what the ``"all_gather"`` pattern gathers instead of the
+    input (fake and real kernels); ``tally(counters, out, args)``: what the active counters record of
+    each output besides its bytes. ``counter``: the key under which the runtime counts the bytes each call
     sends off-rank (``_bwd`` appended when its ``backward`` argument is true) into the active counters;
     ``observed``: the runtime tells the current observer of each output (ZeRO-3's regathering).
     ``counted``: in :data:`fxpar.ir.ops.COLLECTIVE_OPS`, the graph counts and byte tables (the
@@ -111,6 +116,8 @@ class Collective:
     reduce_arg: int | None = None
     check: Callable | None = None
     route: Callable | None = None
+    prepare: Callable | None = None
+    tally: Callable | None = None
     counter: str | None = None
     observed: bool = False
     counted: bool = True
@@ -125,6 +132,8 @@ class Collective:
                              f"not one of {PATTERNS}")
         if (self.kernel == "all_to_all") != (self.route is not None):
             raise ValueError(f"collective {self.name!r}: the all_to_all pattern needs a route, and only it")
+        if self.kernel != "all_gather" and (self.prepare is not None or self.tally is not None):
+            raise ValueError(f"collective {self.name!r}: only the all_gather pattern runs a prepare or tally hook")
 
 
 # ---- hooks: what a record's fields cannot say -----------------------------------------------------
@@ -209,7 +218,13 @@ COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
                doc="Block ``j`` of ``x``'s dim 0 (cut into group-size equal blocks) goes to rank ``j``; block "
                    "``i`` of the output came from rank ``i`` (each rank sends (n - 1) / n of ``x``). Backward: "
                    "the same all-to-all of the gradient."),
-    # Expert parallelism's all-to-alls (fxpar.ir.expert_ops): counted by their own counters, never lowered
+    # Expert parallelism's ops (fxpar.ir.expert_ops): counted by their own counters, never lowered
+    Collective("ep_counts", ("all_gather",), (), "gather", "opaque", schema="Tensor offs, str group, str layer",
+               kernel="all_gather", prepare=ep_layout.counts_row, tally=ep_layout.tally_load, counter="counts",
+               counted=False,
+               doc="``[ep, E]`` int64: every ep rank's tokens per expert (``offs``: this rank's cumulative "
+                   "counts), one all-gather of this rank's counts; the step's counters hear of the load of "
+                   "``layer``."),
     Collective("ep_dispatch", ("all_to_all",), ("all_to_all",), "gather", "opaque",
                schema="Tensor x, Tensor counts, str group, str layer, bool backward=False", kernel="all_to_all",
                grad="ep_combine", grad_args=(("backward", True),), check=ep_layout.check_tokens,

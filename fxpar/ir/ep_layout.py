@@ -1,10 +1,11 @@
-"""How expert parallelism's all-to-alls move rows: the hooks of the ``ep_dispatch`` / ``ep_combine`` records
-(:mod:`fxpar.ir.collectives`).
+"""How expert parallelism's ops move rows and counts: the hooks of the ``ep_counts``, ``ep_dispatch`` and
+``ep_combine`` records (:mod:`fxpar.ir.collectives`).
 
-Reads: a ``[ep, E]`` counts tensor (row ``s``: ep rank ``s``'s tokens per expert) and the rows to move.
-Writes nothing: split sizes and permutations, which the runtime's one ``all_to_all`` pattern
-(:mod:`fxpar.runtime.collectives`) runs. Pure torch, no process group, so it lives in the vocabulary layer
-with the records that name it; the layout itself is :mod:`fxpar.ir.expert_ops`' docstring's.
+Reads: the router's cumulative counts, a ``[ep, E]`` counts tensor (row ``s``: ep rank ``s``'s tokens per
+expert) and the rows to move. Writes nothing but the load it tells the step's counters of: the counts
+row ``ep_counts`` gathers, split sizes and permutations, which the runtime's ``all_gather`` and
+``all_to_all`` patterns (:mod:`fxpar.runtime.collectives`) run. Pure torch, no process group, so it lives
+in the vocabulary layer with the records that name it; the layout itself is :mod:`fxpar.ir.expert_ops`' docstring's.
 """
 
 from __future__ import annotations
@@ -15,9 +16,19 @@ import torch
 
 from fxpar.ir.errors import CollectiveError
 
-__all__ = ["check_tokens", "combine_route", "dispatch_route", "layout"]
+__all__ = ["check_tokens", "combine_route", "counts_row", "dispatch_route", "layout", "tally_load"]
 
 Route = tuple[torch.Tensor, list[int], list[int], Callable[[torch.Tensor], torch.Tensor]]
+
+
+def counts_row(offs: torch.Tensor) -> torch.Tensor:
+    """``[1, E]`` int64: this rank's tokens per expert, from the router's cumulative ``offs`` ``[E]``."""
+    return torch.diff(offs.long(), prepend=offs.new_zeros(1).long()).view(1, -1)
+
+
+def tally_load(counters, out: torch.Tensor, args: dict) -> None:
+    """Tell the step's counters (``add_load``) of the ``[ep, E]`` counts gathered for MoE layer ``layer``."""
+    counters.add_load(args["layer"], out)
 
 
 def check_tokens(op: str, group: str, x: torch.Tensor, args: dict, n: int) -> None:

@@ -1,13 +1,13 @@
 """The expert-parallel ops of fxpar's IR: ``fxpar::ep_counts``, ``fxpar::ep_dispatch``, ``fxpar::ep_combine``
 (schemas, fake kernels, autograd) and :class:`EpResult`, what the expert-parallel pass did.
 
-Reads: nothing at import but torch and :mod:`fxpar.ir.ops` (group sizes from names). Writes: the
-``fxpar::ep_counts`` op; ``ep_dispatch`` and ``ep_combine`` are records of :mod:`fxpar.ir.collectives`
-(their all-to-all is the runtime's ``all_to_all`` pattern, their split sizes :mod:`fxpar.ir.ep_layout`'s),
-defined by :mod:`fxpar.ir.ops` and named here. ``ep_counts`` is no record: its kernel
-(:mod:`fxpar.runtime.expert_parallel`) turns offsets into counts before the all-gather and records the
-load statistics after it, which no communication pattern does. Until the runtime is imported, running
-one on real tensors raises :class:`~fxpar.ir.errors.CollectiveError`.
+Reads: nothing at import but torch and :mod:`fxpar.ir.ops`. Writes nothing: the three ops are records of
+:mod:`fxpar.ir.collectives`, defined by :mod:`fxpar.ir.ops` and named here. ``ep_counts`` runs the
+runtime's ``all_gather`` pattern on the counts its record's ``prepare`` hook makes of the offsets, and its
+``tally`` hook gives the step's counters the load statistics; the all-to-alls run the ``all_to_all``
+pattern with :mod:`fxpar.ir.ep_layout`'s split sizes (:mod:`fxpar.runtime.collectives` runs every
+pattern). Until the runtime is imported, running one on real tensors raises
+:class:`~fxpar.ir.errors.CollectiveError`.
 
 Why three ops and these shapes: an MoE layer's tokens, sorted by expert, go to the ranks owning their
 experts and come back; how many go where is only known at run time, but a traced graph needs static
@@ -39,8 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from fxpar.ir.errors import CollectiveError
-from fxpar.ir.ops import OPS, group_size
+from fxpar.ir.ops import OPS
 
 EP_OPS = ("ep_counts", "ep_dispatch", "ep_combine")
 
@@ -63,24 +62,9 @@ class EpResult:
         return r * k, (r + 1) * k
 
 
-def _no_kernel(op: str, group: str) -> torch.Tensor:
-    raise CollectiveError("no kernel is registered for real tensors in this process; importing "
-                          "fxpar.runtime.expert_parallel registers them", op=op, group=group)
-
-
-@torch.library.custom_op("fxpar::ep_counts", mutates_args=())
-def ep_counts(offs: torch.Tensor, group: str, layer: str) -> torch.Tensor:
-    """``[ep, E]`` int64: every ep rank's tokens per expert (``offs``: this rank's cumulative counts)."""
-    return _no_kernel("ep_counts", group)
-
-
-ep_dispatch = OPS["ep_dispatch"]  # records of fxpar.ir.collectives
+ep_counts = OPS["ep_counts"]  # records of fxpar.ir.collectives
+ep_dispatch = OPS["ep_dispatch"]
 ep_combine = OPS["ep_combine"]
-
-
-@ep_counts.register_fake
-def _counts_fake(offs, group, layer):
-    return offs.new_empty((group_size(group), offs.shape[0]), dtype=torch.int64)
 
 
 def ep_kind(node: torch.fx.Node) -> str | None:

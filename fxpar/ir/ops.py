@@ -238,6 +238,7 @@ def _fake(rec: Collective, sig: Signature):
     def fake(*args, **kwargs):
         values = sig.bind(args, kwargs)
         x, named = values[0], sig.named(values)
+        x = x if rec.prepare is None else rec.prepare(x)
         group = named["group"]
         if rec.reduce_arg is not None:
             check_reduce_op(rec.name, group, values[rec.reduce_arg], x)

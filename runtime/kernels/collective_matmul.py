@@ -29,9 +29,10 @@ input features runs the same way); they are written straight into their places i
   ``j+1``'s all-gather of the output gradient is started before chunk ``j``'s input-gradient matmul;
   the weight gradient is again one matmul over the gathered gradient.
 
-Communication uses torch.distributed with ``async_op=True``; every wait goes through the helpers of
-:mod:`fxpar.runtime.collectives` (bounded by the process group's timeout, errors naming op, group,
-ranks and shape). On gloo the reduce-scatter is an all-reduce and a slice, for the reason given in
+Communication goes through the wire of the all_gather, all_reduce and reduce_scatter patterns
+(:mod:`fxpar.runtime.dist_calls`, as the plain kernels of :mod:`fxpar.runtime.collectives`), started
+asynchronously: every wait is bounded by the process group's timeout, errors name op, group, ranks and
+shape. On gloo the reduce-scatter is an all-reduce and a slice, for the reason given in
 ``collectives._reduce_scatter``. On CUDA the same code overlaps by streams: NCCL runs on its own stream
 and ``Work.wait()`` only makes the compute stream wait, so chunk ``j``'s matmul runs while chunk
 ``j+1`` is on the wire; no Triton kernel is needed (the matmuls are cuBLAS).
@@ -52,13 +53,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from fxpar.ir import collective_matmul_ops as cm_ops
 from fxpar.ir.collective_matmul_ops import check_chunks, check_token_dim, compute_dtype
 from fxpar.ir.ops import check_dim, group_size, shard_len
 from fxpar.runtime import collectives as coll
+from fxpar.runtime import dist_calls
 
 __all__ = ["all_gather_linear", "linear_reduce_scatter", "recording"]
 
@@ -87,34 +88,20 @@ def _log(op: str, what: str, chunk: int) -> None:
         _Recording.events.append((op, what, chunk))
 
 
-def _start(op: str, group: str, x: torch.Tensor, launch) -> object:
-    """Start a collective; its work handle (errors at launch wrapped as the plain kernels wrap them)."""
-    handle: list = []
-    coll._communicate(op, group, x, lambda: handle.append(launch()))
-    return handle[0]
-
-
-def _finish(op: str, group: str, x: torch.Tensor, work) -> None:
-    """Wait for a started collective, bounded by the process group's timeout."""
-    coll._communicate(op, group, x, lambda: work)
-
-
 class _ReduceScatter:
     """Reduce-scatter of ``src [n * p, ...]`` along dim 0 into ``out [p, ...]``, started now, finished
     by :meth:`finish` (on gloo: an all-reduce of ``src`` in place, then this rank's slice)."""
 
     def __init__(self, op: str, group: str, pg, src: torch.Tensor, out: torch.Tensor, rank: int):
-        self.op, self.group, self.src, self.out, self.rank = op, group, src, out, rank
+        self.src, self.out, self.rank = src, out, rank
         self.gloo = coll._backend_of(pg, src.device) == "gloo"
         if self.gloo:
-            self.work = _start(op, group, src, lambda: dist.all_reduce(src, op=dist.ReduceOp.SUM, group=pg,
-                                                                        async_op=True))
+            self.work = dist_calls.all_reduce(src, group, async_op=True, call=op)
         else:
-            self.work = _start(op, group, src, lambda: coll._reduce_scatter_single(
-                out, src, op=dist.ReduceOp.SUM, group=pg, async_op=True))
+            self.work = coll._reduce_scatter_single(out, src, group=group, async_op=True, call=op)
 
     def finish(self) -> None:
-        _finish(self.op, self.group, self.src, self.work)
+        self.work.wait()
         if self.gloo:
             p = self.out.shape[0]
             self.out.copy_(self.src.narrow(0, self.rank * p, p))
@@ -125,7 +112,7 @@ def _setup(op, group, x, dim, chunks, gathered):
     p = check_chunks(op, group, x.shape, d, chunks, gathered)
     pg, n, rank = coll._membership(op, group)
     if pg is not None:
-        coll._cross_check(op, group, pg, x)
+        coll._cross_check(op, group, x)
     return d, p, pg, n, rank
 
 
@@ -159,11 +146,11 @@ def all_gather_linear_impl(x, group, dim, chunks, weights, biases, has_bias):
     xf = x.movedim(d, 0)  # [L, *rest]: the token dim in front, as the single-tensor all-gather wants it
     rest = tuple(xf.shape[1:])
     ys = [xf.new_empty((n, chunks, p, *rest[:-1], w.shape[0]), dtype=dt) for w in weights]
-    gathered, works = _gather_chunks(op, group, pg, x, xf, n, chunks, p)
+    gathered, works = _gather_chunks(op, group, x, xf, n, chunks, p)
     for j in range(chunks):
         if j + 1 < chunks:
             works[j + 1] = works[j + 1]()  # started: in flight while chunk j multiplies
-        _finish(op, group, x, works[j])
+        works[j].wait()
         _log(op, "comm_done", j)
         piece = gathered[j].to(dt)  # [n, p, ...]: every rank's tokens j*p .. (j+1)*p
         for y, (w, b) in zip(ys, wbs):
@@ -173,7 +160,7 @@ def all_gather_linear_impl(x, group, dim, chunks, weights, biases, has_bias):
     return [_unfront(gathered.transpose(0, 1), tokens, d)] + [_unfront(y, tokens, d) for y in ys]
 
 
-def _gather_chunks(op, group, pg, x, xf, n, chunks, p):
+def _gather_chunks(op, group, x, xf, n, chunks, p):
     """``(buffer [chunks, n, p, ...], works)``: chunk ``j`` of ``xf [L, ...]`` from every rank lands in
     ``buffer[j]`` (contiguous: the single-tensor all-gather writes it directly). Chunk 0's gather is
     started; ``works[j]`` of a later chunk is a function that starts it and returns its handle."""
@@ -184,7 +171,7 @@ def _gather_chunks(op, group, pg, x, xf, n, chunks, p):
         def start():
             src = xf.narrow(0, j * p, p).contiguous()
             out = buf[j].view(n * p, *rest)  # flat along dim 0, as the single-tensor all-gather writes it
-            work = _start(op, group, x, lambda: coll._all_gather_single(out, src, group=pg, async_op=True))
+            work = coll._all_gather_single(out, src, group=group, async_op=True, call=op, about=x)
             _log(op, "comm_start", j)
             return work
         return start
@@ -278,11 +265,11 @@ def linear_reduce_scatter_backward_impl(grad, x, group, dim, chunks, weight, has
     else:
         xv = x.movedim(d, 0).reshape(n, chunks, p, *x.movedim(d, 0).shape[1:])
         dx = x.new_empty(xv.shape)
-        gathered, works = _gather_chunks(op, group, pg, grad, grad.movedim(d, 0), n, chunks, p)
+        gathered, works = _gather_chunks(op, group, grad, grad.movedim(d, 0), n, chunks, p)
         for j in range(chunks):
             if j + 1 < chunks:
                 works[j + 1] = works[j + 1]()
-            _finish(op, group, grad, works[j])
+            works[j].wait()
             _log(op, "comm_done", j)
             dx[:, j] = torch.matmul(gathered[j], weight)
             _log(op, "mm_done", j)

@@ -38,6 +38,20 @@ def test_every_pattern_and_gradient_is_implemented():
     assert set(ops.OPS) >= set(COLLECTIVES)
 
 
+def test_every_expert_parallel_op_is_a_record():
+    """ep_counts too (its kernel was registered by hand): an all-gather of the counts its prepare hook makes,
+    shaped [ep, E] int64 by the record's fake kernel, its bytes under the record's counter."""
+    from fxpar.ir import expert_ops
+
+    assert all(getattr(expert_ops, name) is ops.OPS[name] for name in expert_ops.EP_OPS)
+    rec = COLLECTIVES["ep_counts"]
+    assert (rec.kernel, rec.forward, rec.counter, rec.counted) == ("all_gather", ("all_gather",), "counts", False)
+    gm = make_fx(lambda offs: torch.ops.fxpar.ep_counts(offs, "ep:0,1", "moe"), tracing_mode="fake")(
+        torch.tensor([2, 5, 5, 6], dtype=torch.int32))
+    out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    assert (tuple(out.meta["val"].shape), out.meta["val"].dtype) == ((2, 4), torch.int64)
+
+
 def test_a_new_record_traces_with_fake_tensors():
     op = _partial()
     assert str(torch.ops.fxpar.test_all_reduce_partial_grad.default._schema) == (
