@@ -153,7 +153,7 @@ def cp_groups(plan, spans) -> tuple:
     """``(plan as data parallelism sees it, its DpGroups)`` with cp: gradients reduce and ZeRO shards over the
     ``dp x cp`` ranks (cp ranks ``tp`` apart, dp ranks ``pp x cp x tp`` apart: ``fxpar.ir.mesh``), a group
     spanning nodes where either does. ``spans(stride, size)``: whether such a group crosses nodes."""
-    dense = replace(plan, dp=plan.dp * plan.cp, cp=1)
+    dense = replace(plan, dp=plan.dp * plan.cp, cp=1, cp_attention="allgather")
     inter = spans(plan.tp, plan.cp) or spans(plan.pp * plan.cp * plan.tp, plan.dp)
     return dense, DpGroups(dense.dp, inter)
 

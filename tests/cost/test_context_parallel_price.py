@@ -5,6 +5,7 @@ gradients and ZeRO over dp x cp, and memory per rank at a long sequence."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 
@@ -101,3 +102,25 @@ def test_cp2_prices_a_long_sequence_in_less_memory_per_rank():
     assert two.memory["total"] < one.memory["total"]
     assert two.memory["activations"] < 0.6 * one.memory["activations"]  # half, plus the whole keys and values
     assert two.parts["compute"] < one.parts["compute"]  # (not half: each op's launch cost stays)
+
+
+def test_ulysses_bytes_are_the_other_ranks_share_of_queries_keys_values_and_output(llama):
+    """``cp_attention="ulysses"``: per layer, forward and backward, each rank sends (cp - 1) / cp of its S / cp
+    rows of the queries, keys and values (KV heads) and the output; where cp does not divide the heads (2 KV
+    heads at cp=4, or 1 per TP rank at tp=2) the attention keeps the all-gather and its price; attention keeps
+    1 / cp of the heads, not the whole sequence's expanded keys and values."""
+    model, costs = llama
+    cfg = model.config
+    batch, cp = 2, 2
+    pricer = Pricer(costs, device_profile("h100-80gb")[0], global_batch=batch)
+    local = batch * SEQ // cp * 2 * (cfg.num_attention_heads + cfg.num_key_value_heads) * _head_dim(cfg) * 4
+    hand = cfg.num_hidden_layers * 2 * (cp - 1) / cp * local + sent_bytes("all_reduce", LOSS_BYTES, cp)
+    e = pricer.price(Plan(cp=cp, cp_attention="ulysses"))
+    assert e.comm_bytes["cp"] == int(hand) and e.parts["cp_comm"] > 0
+    gathered = pricer.price(Plan(cp=cp))
+    assert e.memory["activations"] < gathered.memory["activations"]
+    for plan in (Plan(cp=4), Plan(cp=2, tp=2)):
+        kept = pricer.price(replace(plan, cp_attention="ulysses"))
+        assert kept.comm_bytes["cp"] == pricer.price(plan).comm_bytes["cp"], plan
+    assert cp_part(costs.part(costs.layers[0], 1), cp, "ulysses").act["none"][0] == \
+        costs.part(costs.layers[0], 1).act["none"][0] // cp
