@@ -348,7 +348,7 @@ def export_hf(compiled, directory: str | Path, max_shard_size: int | str = "5GB"
     directory, program = Path(directory), compiled.program
     if program.info.wrapper_prefix:  # PEFT's names are not save_pretrained's layout
         raise PlanError(f"fxpar.checkpoint.export_hf: {program.info.model_class} is wrapped (PEFT, under "
-                        f"{program.info.wrapper_prefix!r}): use PEFT's save_pretrained or merge_and_unload()")
+                        f"{program.info.wrapper_prefix!r}): export it with fxpar.adapters.export_adapter")
     held = local_state(compiled)
     mine = [(k[len("model."):], h.shape, h.dtype, [(o, tuple(v.shape)) for o, v in h.chunks]) for k, h in held.items()]
     if dist.is_initialized() and compiled.world > 1:

@@ -129,11 +129,22 @@ def test_lora_trains_as_peft_on_one_process():
     _check([lora_training("dp=1")])
 
 
-def test_export_hf_refuses_a_wrapped_model(tmp_path):
+def test_export_hf_refuses_a_wrapped_model_export_adapter_writes_it(tmp_path):
+    """The Python API: export_hf refuses a PEFT model before writing anything and names export_adapter, which
+    writes what PeftModel.from_pretrained loads (the same logits as the compiled model)."""
+    from peft import PeftModel
+
+    from fxpar.adapters import export_adapter
+
     compiled = fxpar.compile(lora_llama(), "dp=1", example_kwargs=_batch(), optimizer=adamw)
-    with pytest.raises(PlanError, match=r"LlamaForCausalLM is wrapped \(PEFT, under 'base_model.model.'\).*merge_and"):
+    with pytest.raises(PlanError, match=r"LlamaForCausalLM is wrapped \(PEFT, under 'base_model.model.'\).*"
+                                        r"fxpar.adapters.export_adapter"):
         checkpoint.export_hf(compiled, tmp_path)
     assert not any(tmp_path.iterdir())  # refused before writing anything
+    export_adapter(compiled, tmp_path)
+    ids = _batch()["input_ids"]
+    loaded = PeftModel.from_pretrained(zoo.build(NAME, seed=0), tmp_path).eval()(input_ids=ids).logits
+    assert (loaded - compiled(input_ids=ids).logits).abs().max() <= TOL
 
 
 @pytest.mark.parametrize("plan,name,variant", [("pp=2", "llama", "lora"), ("tp=2", "llama", "lora"),
