@@ -318,3 +318,34 @@ def test_train_lora_resumes_under_another_plan(pool2, chat_dir, lora_trained, tm
     assert max(abs(a - b) for a, b in zip(r["losses"], whole["losses"][2:])) <= TOL, (r["losses"], whole["losses"])
     assert set(r["adapters"]) == set(whole["adapters"])
     assert max((r["adapters"][k] - whole["adapters"][k]).abs().max().item() for k in r["adapters"]) <= TOL
+
+
+def test_adapters_of_a_meta_built_model_start_as_peft_makes_them(chat_dir):
+    """A PEFT model around a meta-built model: materialize gives PEFT's first values (A drawn, B zero: the model
+    starts as the base) and leaves the model on meta; AdapterWeights reads them and the frozen base from the
+    directory under PEFT's names, whole (read_shard) and as ZeRO-3's flat boxes of a TP shard (read_boxes)."""
+    from peft import get_peft_model
+    from safetensors.torch import load_file
+
+    from fxpar.adapters import AdapterWeights, materialize
+    from fxpar.ir.placement import ShardLayout
+    from fxpar.train.models import load_model
+    from fxpar.weights import flat_views
+
+    model = get_peft_model(load_model(str(chat_dir)), LoraConfig(r=R, target_modules=COLUMN))
+    first = materialize(model)
+    assert all(p.is_meta for p in model.parameters())
+    a, b = (f"base_model.model.model.layers.1.self_attn.q_proj.lora_{x}.default.weight" for x in "AB")
+    assert set(first) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert first[a].abs().min() > 0 and not first[b].any()
+    source = AdapterWeights(model, chat_dir, first)
+    base = {k: v for f in chat_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+    q = base["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(source.read_shard(a.replace("lora_A.default", "base_layer"), None, 0), q)
+    assert torch.equal(source.read_shard(a, None, 0), first[a])
+    layout = ShardLayout(dim=0, parts=2)  # rank 1's rows, entries 10..300 of its flattening
+    out = torch.empty(290)
+    assert source.read_boxes(a.replace("lora_A.default", "base_layer"), tuple(q.shape),
+                             flat_views(out, (q.shape[0] // 2, q.shape[1]), 10, 300, layout, 1))
+    assert torch.equal(out, q[q.shape[0] // 2:].flatten()[10:300])
+    assert source.read_shard("base_model.model.model.rotary_emb.inv_freq", None, 0) is None  # left to the init
