@@ -94,7 +94,9 @@ def source(a, model, directory, resume, adapters: dict):
     from fxpar.train.models import directory_weights
 
     if resume is not None:
-        return checkpoint.model_source(resume)  # each rank reads only its own shards
+        reader = checkpoint.model_source(resume)  # each rank reads only its own shards
+        lora.check_checkpoint(a, model, reader)
+        return reader
     files = directory_weights(directory) if directory is not None else None
     if a.lora and (directory is not None or a.meta):  # the adapters as PEFT made them, the base from the files
         return AdapterWeights(model, files, adapters)

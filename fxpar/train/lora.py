@@ -112,3 +112,26 @@ def wrap(model: torch.nn.Module, a, base_path: str | None = None) -> tuple[torch
         raise InputError(f"--lora-targets {a.lora_targets}: {e}", path=a.model,
                          fix=f"the model's linear layers are {', '.join(linear_names(model))}") from None
     return wrapped, materialize(wrapped)
+
+
+def check_checkpoint(a, model: torch.nn.Module, reader) -> None:
+    """The checkpoint ``reader`` (``checkpoint.model_source``) resumed from holds every adapter of this run
+    (a LoRA run's, with the same targets) or, without ``--lora``, none: a tensor it lacks would otherwise be
+    drawn from the initialiser."""
+    from fxpar.adapters import trainable_names
+
+    saved = {k[len("model."):] for k in reader.keys("model.")} | set(reader.aliases)
+    adapters = sorted(k for k in saved if ".lora_" in k)
+    if not a.lora:
+        if adapters:
+            raise PlanError(f"--resume {reader.path} is a LoRA run's checkpoint (PEFT's names, e.g. {adapters[0]})",
+                            fix="resume it with --lora and the LoRA options it was trained with")
+        return
+    names = trainable_names(model)
+    missing = [n for n in names if n not in saved]
+    if missing:
+        what = "other --lora-targets" if adapters else "no --lora (a full fine-tune's checkpoint)"
+        raise PlanError(f"--resume {reader.path} holds no {missing[0]} ({len(missing)} of this run's {len(names)} "
+                        f"adapters missing): it was saved by a run with {what}",
+                        fix="resume with the --lora options it was trained with" if adapters else
+                            "--export the full fine-tune and start LoRA from that directory")

@@ -349,3 +349,16 @@ def test_adapters_of_a_meta_built_model_start_as_peft_makes_them(chat_dir):
                              flat_views(out, (q.shape[0] // 2, q.shape[1]), 10, 300, layout, 1))
     assert torch.equal(out, q[q.shape[0] // 2:].flatten()[10:300])
     assert source.read_shard("base_model.model.model.rotary_emb.inv_freq", None, 0) is None  # left to the init
+
+
+def test_a_lora_checkpoint_resumes_only_with_its_adapters(chat_dir, lora_trained):
+    """Resuming the tp=2 LoRA run's checkpoint without --lora, or with other targets, is an error before any
+    communication (the tensors it lacks would be drawn from the initialiser)."""
+    from fxpar.train.loop import FineTune
+
+    out, _ = lora_trained
+    common = dict(model=str(chat_dir), data="synthetic", steps=4, resume=str(out / "ckpt"))
+    with pytest.raises(PlanError, match="(?s)is a LoRA run's checkpoint .*resume it with --lora"):
+        FineTune(**common)
+    with pytest.raises(PlanError, match=r"(?s)holds no .*k_proj.lora_A.* saved by a run with other --lora-targets"):
+        FineTune(**common, lora="r=4", lora_targets="k_proj")
