@@ -108,7 +108,7 @@ def context_parallel(program: Program, cp: int, rank: int, group: str, keep_outp
     layout = rules.Layout(seq=seq, cp=cp, rank=rank, group=group)
     res = CpResult(cp=cp, seq=seq, attention_mode=attention)
     roots = rules.kv_roots(gm, program)  # analysis: where attention's keys and values are gathered
-    uly = cp_ulysses.plan(gm, roots, cp) if attention == "ulysses" else None
+    uly = cp_ulysses.plan(gm, roots, cp, rules.token_fed(gm, program)) if attention == "ulysses" else None
     if uly is not None:
         cp_ulysses.mark(gm, uly)
         res.kept = dict(uly.kept)

@@ -159,12 +159,8 @@ def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     return out
 
 
-def kv_roots(gm: torch.fx.GraphModule, program) -> dict[torch.fx.Node, list[tuple[torch.fx.Node, int]]]:
-    """Where each attention's keys and values are gathered: node -> (reader, argument position) of each
-    reader of the gathered value. Found on the graph's taint by the token ids (what the embedding of a user
-    input feeds), walking up from each key/value operand through
-    :data:`~fxpar.ir.op_classes.LAYOUT_CHAIN` ops that feed only the next one (so the gather comes before any
-    grouped-query expansion)."""
+def token_fed(gm: torch.fx.GraphModule, program) -> set[torch.fx.Node]:
+    """The nodes the token ids feed: an embedding lookup of a user input and everything computed from it."""
     tainted: set[torch.fx.Node] = set()
     for n in gm.graph.nodes:
         if n.op != "call_function":
@@ -172,6 +168,16 @@ def kv_roots(gm: torch.fx.GraphModule, program) -> dict[torch.fx.Node, list[tupl
         if (packet(n) is aten.embedding and user_input_of(n.args[1], program) is not None) or \
                 any(a in tainted for a in tensor_args(n)):
             tainted.add(n)
+    return tainted
+
+
+def kv_roots(gm: torch.fx.GraphModule, program) -> dict[torch.fx.Node, list[tuple[torch.fx.Node, int]]]:
+    """Where each attention's keys and values are gathered: node -> (reader, argument position) of each
+    reader of the gathered value. Found on the graph's taint by the token ids (what the embedding of a user
+    input feeds), walking up from each key/value operand through
+    :data:`~fxpar.ir.op_classes.LAYOUT_CHAIN` ops that feed only the next one (so the gather comes before any
+    grouped-query expansion)."""
+    tainted = token_fed(gm, program)
     roots: dict[torch.fx.Node, list[tuple[torch.fx.Node, int]]] = {}
     for n in gm.graph.nodes:
         if n.op != "call_function":

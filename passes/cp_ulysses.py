@@ -4,7 +4,7 @@ the sequence for heads by all-to-all instead of gathering its keys and values.
 Reads: the graph copy :mod:`fxpar.passes.context_parallel` rewrites, where its keys and values start
 (:func:`fxpar.passes.cp_rules.kv_roots`) and the cp degree. Writes: that graph, in place, through the
 :class:`~fxpar.passes.cp_rewriter.Rewriter` (which calls :func:`root` at each key/value root and
-:func:`attention` at each SDPA this module took).
+:func:`attention` at each attention this module took).
 
 **What moves.** A rank holds its two chunks (``2c`` rows, head chunk then tail chunk) of every head. Before
 an SDPA, its queries, and its keys and values at their root (before any grouped-query expansion, so each KV
@@ -15,10 +15,16 @@ heads: contiguous groups keep the grouped-query pairing) over the whole sequence
 (uncut) mask or ``is_causal``; the output goes back by the reverse all-to-all to this rank's rows of every
 head. Each all-to-all sends ``(cp - 1) / cp`` of its local tensor; its backward is the same all-to-all.
 
+**Eager attention** (``q @ k^T``, elementwise ops and a softmax on the scores, ``p @ v``: soft-capping,
+an additive mask) runs the same way: the queries of ``q @ k^T`` and the output of ``p @ v`` go by
+all-to-all, the ops between them run unchanged on this rank's heads (a whole mask broadcasts over them).
+
 **Where it does not apply** (the attention keeps the all-gather, its reason in ``CpResult.kept`` and on
 the node, which ``fxpar inspect`` shows): query or key/value heads (after TP's split) that ``cp`` does not
-divide, an eager attention (``q @ k^T`` and ``p @ v`` products), keys or values not split along the
-sequence, a mask with per-head rows of another count, or keys and values shared with such an attention.
+divide (multi-query keys included), keys or values not split along the sequence, a mask with per-head rows
+of another count (of an eager attention: any per-head input), eager scores through other ops (a reshape, a
+concatenated sink) or read elsewhere, queries without a heads dim of their own (``[batch * heads, seq,
+dim]`` products), or keys and values shared with such an attention.
 """
 
 from __future__ import annotations
@@ -29,8 +35,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from fxpar.ir.op_classes import ACTIVATION_PRODUCTS, PASS_THROUGH, SAME_ORDER_RESHAPES, SHAPE_ARG_OPS
-from fxpar.passes.cp_rules import PARTIAL, SDPA, Sh, packet, shape_of
+from fxpar.ir.op_classes import (
+    ACTIVATION_PRODUCTS,
+    ASSERTS,
+    ELEMENTWISE_LIKE,
+    PASS_THROUGH,
+    SAME_ORDER_RESHAPES,
+    SHAPE_ARG_OPS,
+    SOFTMAX,
+    is_pointwise,
+)
+from fxpar.passes.cp_rules import PARTIAL, SDPA, Sh, packet, shape_of, tensor_args
 
 aten = torch.ops.aten
 fxpar_ops = torch.ops.fxpar
@@ -39,18 +54,22 @@ META_KEY = "fxpar.cp_attention"  # on each attention node: "ulysses", or why it 
 
 @dataclass
 class Plan:
-    """The attentions Ulysses takes, and where each one's heads sit on the way to it."""
+    """The attentions Ulysses takes, and where each one's heads sit on the way to it. An attention is an SDPA
+    call, or an eager pair: ``q @ k^T`` (its queries go to heads) and ``p @ v`` (its output comes back), the
+    scores between them elementwise ops and a softmax on the heads the rank holds."""
 
-    attention: set = field(default_factory=set)  # SDPA nodes
+    attention: set = field(default_factory=set)  # SDPA calls, and both products of each eager pair
+    scores: set = field(default_factory=set)  # the ``q @ k^T`` products of eager pairs
     # key/value root -> {the root and each layout node down to its attentions: (heads dim, block size)}
     roots: dict = field(default_factory=dict)
     kept: dict = field(default_factory=dict)  # attention name -> why it keeps the all-gather
-    heads: dict = field(default_factory=dict)  # SDPA taken -> (query heads, key/value heads), per TP rank
-    kv: dict = field(default_factory=dict)  # SDPA taken -> its key root and its value root
+    heads: dict = field(default_factory=dict)  # SDPA or ``p @ v`` taken -> (query heads, key/value heads)
+    moved: dict = field(default_factory=dict)  # the same -> (queries, output, key root, value root)
 
 
-def plan(gm: torch.fx.GraphModule, roots: dict, cp: int) -> Plan:
-    """Which SDPA calls of ``gm`` run as Ulysses on ``cp`` ranks (``roots``: :func:`kv_roots`' map)."""
+def plan(gm: torch.fx.GraphModule, roots: dict, cp: int, fed_by_tokens: set) -> Plan:
+    """Which attentions of ``gm`` run as Ulysses on ``cp`` ranks (``roots``: :func:`kv_roots`' map;
+    ``fed_by_tokens``: :func:`~fxpar.passes.cp_rules.token_fed`)."""
     out = Plan()
     attentions = [n for n in gm.graph.nodes if n.op == "call_function" and
                   (packet(n) is SDPA or packet(n) in ACTIVATION_PRODUCTS)]
@@ -64,25 +83,34 @@ def plan(gm: torch.fx.GraphModule, roots: dict, cp: int) -> Plan:
                 cur = next(iter(cur.users))
             paths[(cur, list(cur.args).index(chain[-1]) if chain else pos)] = (r, chain)
             fed.setdefault(r, set()).add(cur)
-    took: dict = {}  # attention -> {root: its heads' places}
+    took: dict = {}  # SDPA or p @ v -> {root: its heads' places, "heads": ..., "moved": ..., "pair": q @ k^T}
+    unit = {}  # attention -> the SDPA or p @ v it is part of
     for n in attentions:
-        why = _why_not(n, paths, cp, took) if packet(n) is SDPA else \
-            "an eager attention (q @ k^T, p @ v products): Ulysses rewrites SDPA calls"
+        if packet(n) is SDPA:
+            why = _check(n, n.args[0], n, (n, 1), (n, 2), _mask_of(n), paths, cp, took)
+        else:
+            why = _eager(n, paths, cp, took, fed_by_tokens)
+        unit[n] = n
         if why:
             out.kept[n.name] = why
+        elif n in took and "pair" in took[n]:
+            unit[took[n]["pair"]] = n
+            out.kept.pop(took[n]["pair"].name, None)
     changed = True
     while changed:  # keys and values shared with an attention that keeps the all-gather keep it too
         changed = False
-        for r, users in fed.items():
-            other = next((u for u in users if u not in took), None)
-            for a in [u for u in users if u in took] if other is not None else []:
-                del took[a]
-                out.kept[a.name] = f"its keys or values also feed {other.name}, which gathers them"
+        for users in fed.values():
+            other = next((u for u in users if unit[u] not in took), None)
+            for a in {unit[u] for u in users if unit[u] in took} if other is not None else ():
+                pair = took.pop(a).get("pair")
+                for x in (a, pair) if pair is not None else (a,):
+                    out.kept[x.name] = f"its keys or values also feed {other.name}, which gathers them"
                 changed = True
     for n, places in took.items():
-        out.attention.add(n)
-        out.heads[n] = places.pop("heads")
-        out.kv[n] = tuple(places)
+        out.heads[n], out.moved[n] = places.pop("heads"), places.pop("moved")
+        pair = places.pop("pair", None)
+        out.attention.update((n,) if pair is None else (n, pair))
+        out.scores.update(() if pair is None else (pair,))
         for r, at in places.items():
             out.roots.setdefault(r, {}).update(at)
     return out
@@ -97,30 +125,69 @@ def mark(gm: torch.fx.GraphModule, taken: Plan) -> None:
             n.meta[META_KEY] = f"all-gather: {taken.kept[n.name]}"
 
 
-def _why_not(n, paths, cp, took) -> str:
-    """Why SDPA ``n`` cannot run as Ulysses on ``cp`` ranks ('' when it can: then ``took[n]`` holds, per key
-    and value root, the heads' place in the root and each layout node down to ``n``)."""
-    q = shape_of(n.args[0])
-    if q is None or len(q) < 3:
-        return f"queries of shape {q}: no heads dim before the sequence"
-    hq = q[-3]
+def _mask_of(n):
+    mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+    return [mask] if isinstance(mask, torch.fx.Node) else []
+
+
+def _check(n, q, o, kp, vp, others, paths, cp, took, pair=None) -> str:
+    """Why attention ``n`` (queries ``q``, output ``o``, keys and values at ``kp`` / ``vp`` of ``paths``, other
+    whole inputs ``others``) cannot run as Ulysses on ``cp`` ranks; '' when it can (``took[n]`` then holds the
+    heads' place in each key/value root and layout node down to it)."""
+    qs = shape_of(q)
+    if qs is None or len(qs) < 3 or (pair is not None and len(qs) < 4):
+        return f"queries of shape {qs}: no heads dim of their own before the sequence"
+    hq = qs[-3]
     places, kvs = {}, []
-    for pos in (1, 2):
-        if (n, pos) not in paths:
+    for at_ in (kp, vp):
+        if at_ not in paths:
             return "its keys or values are not split along the sequence"
-        r, chain = paths[(n, pos)]
+        r, chain = paths[at_]
         at, kv = _up([r, *chain], cp)
         if at is None or hq % cp:
             return (f"{hq} query heads and {kv} key/value heads (per TP rank, before grouped-query expansion) "
                     f"do not both divide by cp={cp}; use a cp that divides both, or cp_attention='allgather'")
         places[r] = at
         kvs.append(kv)
-    mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
-    m = shape_of(mask) if isinstance(mask, torch.fx.Node) else None
-    if m is not None and len(m) >= 3 and m[-3] not in (1, hq):
-        return f"its mask of shape {m} has {m[-3]} head rows for {hq} query heads"
-    took[n] = {**places, "heads": (hq, kvs[0])}
+    for m in filter(None, map(shape_of, others)):
+        if len(m) >= 3 and m[-3] not in (1, hq):
+            return f"its input of shape {m} has {m[-3]} head rows for {hq} query heads"
+        if pair is not None and len(m) >= 3 and m[-3] > 1:
+            return f"its input of shape {m} has a row per head: Ulysses cuts only an SDPA mask's"
+    took[n] = {**places, "heads": (hq, kvs[0]), "moved": (q, o, *places)}
+    if pair is not None:
+        took[n]["pair"] = pair
     return ""
+
+
+def _eager(n, paths, cp, took, fed_by_tokens) -> str:
+    """An eager attention's ``p @ v`` product ``n``: its scores ``p`` computed from one ``q @ k^T`` product by
+    elementwise ops and a softmax read by nothing else, keys and values split along the sequence."""
+    first = 1 if packet(n) is aten.baddbmm else 0
+    if (n, first + 1) not in paths:
+        return "an eager attention product whose values are not split along the sequence"
+    region, scores, whole, todo = set(), set(), [], [n.args[first]]
+    while todo:
+        x = todo.pop()
+        if not isinstance(x, torch.fx.Node) or x in region or x in scores:
+            continue
+        if x not in fed_by_tokens:
+            whole.append(x)
+        elif packet(x) in ACTIVATION_PRODUCTS and (x, 1 + (packet(x) is aten.baddbmm)) in paths:
+            scores.add(x)
+        elif packet(x) in SOFTMAX or packet(x) in ELEMENTWISE_LIKE or is_pointwise(x):
+            region.add(x)
+            todo.extend(tensor_args(x))
+        else:
+            return ("part of an eager attention (q @ k^T, p @ v) whose scores pass through "
+                    f"{x.name} ({packet(x)}): Ulysses takes elementwise ops and a softmax between them")
+    outside = [u for x in region | scores for u in x.users if u not in region and u is not n and
+               packet(u) not in ASSERTS]
+    if len(scores) != 1 or outside:
+        return "an eager attention whose scores are read elsewhere or come from several products"
+    (s,) = scores
+    q = s.args[1 if packet(s) is aten.baddbmm else 0]
+    return _check(n, q, n, (s, 1 + (packet(s) is aten.baddbmm)), (n, first + 1), whole, paths, cp, took, pair=s)
 
 
 def _up(nodes: list, cp: int) -> tuple[dict | None, int]:
@@ -247,27 +314,46 @@ def root(rw, node: torch.fx.Node) -> None:
 
 
 def attention(rw, node: torch.fx.Node) -> None:
-    """An SDPA Ulysses took: its queries to this rank's heads over the whole sequence, its mask whole (per-head
-    rows cut to this rank's heads), its output back to this rank's rows of every head."""
-    q = node.args[0]
-    shape = list(shape_of(q))
-    nd = len(shape)
-    d, s = nd - 3, nd - 2
-    k = shape[d] // rw.l.cp
-    sq = rw.state.get(q)
-    with rw.g.inserting_before(node):
-        mine = heads_to_seq(rw, q, d, s) if isinstance(sq, Sh) and (sq.dim, sq.outer) == (s, 1) else \
-            _my_heads(rw, node, q, d, k)
-    node.update_arg(0, mine)
+    """An attention Ulysses took: an SDPA's queries to this rank's heads over the whole sequence, its mask
+    whole (per-head rows cut to this rank's heads), its output back to this rank's rows of every head; of an
+    eager pair, the queries of ``q @ k^T``, the output of ``p @ v``."""
+    if node in rw.uly.scores:
+        return _queries(rw, node, 1 if packet(node) is aten.baddbmm else 0)
+    if packet(node) is not SDPA:
+        return _output(rw, node)
+    hq = _queries(rw, node, 0)
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if isinstance(mask, torch.fx.Node):
         rw.whole(node, mask)  # a mask split along the sequence (rare: masks come from positions) made whole
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         m = shape_of(mask)
-        if len(m) >= 3 and m[-3] == shape[d] > 1:
+        if len(m) >= 3 and m[-3] == hq > 1:
+            k = hq // rw.l.cp
             with rw.g.inserting_before(node):
                 cut = rw.call(aten.slice.Tensor, mask, len(m) - 3, rw.l.rank * k, (rw.l.rank + 1) * k)
             node.replace_input_with(mask, cut)
+    _output(rw, node)
+
+
+def _queries(rw, node, pos: int) -> int:
+    """Argument ``pos`` of ``node`` (queries ``[..., heads, seq, dim]``) to this rank's heads over the whole
+    sequence; returns the head count."""
+    q = node.args[pos]
+    shape = list(shape_of(q))
+    nd = len(shape)
+    d, s = nd - 3, nd - 2
+    sq = rw.state.get(q)
+    with rw.g.inserting_before(node):
+        mine = heads_to_seq(rw, q, d, s) if isinstance(sq, Sh) and (sq.dim, sq.outer) == (s, 1) else \
+            _my_heads(rw, node, q, d, shape[d] // rw.l.cp)
+    node.update_arg(pos, mine)
+    return shape[d]
+
+
+def _output(rw, node) -> None:
+    """``node``'s output (this rank's heads over the whole sequence) back to this rank's rows of every head."""
+    nd = len(shape_of(node))
+    d, s = nd - 3, nd - 2
     users = list(node.users)
     with rw.g.inserting_before(node.next):
         out = seq_to_heads(rw, node, d, s, list(shape_of(node)))

@@ -18,7 +18,7 @@ pass and its runtime op (``fxpar::all_gather_rs_bwd``):
   its gradient in backward; they block their rank (the op is synchronous, as TP's collectives are: no
   overlap with the chunk's compute), layer recompute runs the forward's again; the loss is summed over cp
   (one scalar all-reduce per microbatch);
-* with ``cp_attention="ulysses"``, each SDPA whose query and key/value heads cp divides instead sends its
+* with ``cp_attention="ulysses"``, each attention whose query and key/value heads cp divides instead sends its
   queries, keys, values (KV heads) and output by all-to-all (:mod:`fxpar.passes.cp_ulysses`): each rank sends
   ``(cp - 1) / cp`` of its ``S / cp`` rows of each, in forward and again in backward, and attends with
   ``heads / cp`` heads over the whole sequence (``1 / cp`` of the attention's work and of what it keeps, with
@@ -53,7 +53,7 @@ class Attention:
     rows: tuple[tuple[int, int], ...] = ()  # (index in the part's ``nodes``, bytes of its whole-sequence operands)
     whole: tuple[int, ...] = ()  # rows on the whole sequence: the layout ops between a gather and its attention
     act: dict[str, tuple[int, int]] = field(default_factory=dict)  # policy -> whole-sequence (kept, transient)
-    # the SDPA calls Ulysses can take: (query heads, key/value heads, bytes of its queries and output, of its
+    # the attentions Ulysses can take: (query heads, key/value heads, bytes of its queries and output, of its
     # keys and values), whole sequence, per TP rank; it takes those whose heads cp divides
     ulysses: tuple[tuple[int, int, int, int], ...] = ()
 

@@ -1,7 +1,7 @@
 """What context parallelism needs of a model's costs, read off the same trace as the rest of
 :class:`~fxpar.planner.model_costs.ModelCosts`: per part, the attention layers' keys and values that
 ``passes/context_parallel.py`` all-gathers (found as the pass finds them:
-:func:`fxpar.passes.cp_rules.kv_roots`), and the SDPA calls Ulysses can take (:func:`fxpar.passes.cp_ulysses.plan`)
+:func:`fxpar.passes.cp_rules.kv_roots`), and the attentions Ulysses can take (:func:`fxpar.passes.cp_ulysses.plan`)
 with their head counts and the bytes their all-to-alls move, as an
 :class:`~fxpar.cost.context_parallel.Attention`. Their price is :mod:`fxpar.cost.context_parallel`; nothing is
 priced here.
@@ -18,7 +18,7 @@ from fxpar.ir import meta
 from fxpar.ir.numeric import nbytes
 from fxpar.ir.op_classes import LAYOUT_CHAIN
 from fxpar.passes import cp_ulysses
-from fxpar.passes.cp_rules import kv_roots, packet
+from fxpar.passes.cp_rules import kv_roots, packet, token_fed
 
 __all__ = ["read_attention"]
 
@@ -54,11 +54,12 @@ def read_attention(program, assign: dict, first: dict) -> dict[str, Attention]:
                 got["rows"][row] = got["rows"].get(row, 0) + (nbytes(operand.meta.get(meta.VAL)) or 0)
     if not found:
         return {}
-    taken = cp_ulysses.plan(program.gm, roots, 1)  # the SDPA calls Ulysses can take, where cp divides their heads
+    # the attentions Ulysses can take, where cp divides their heads
+    taken = cp_ulysses.plan(program.gm, roots, 1, token_fed(program.gm, program))
     for n, (hq, hkv) in taken.heads.items():
         part = assign.get(n)
         if part in found:
-            moved = [nbytes(x.meta.get(meta.VAL)) or 0 for x in (n.args[0], n, *taken.kv[n])]
+            moved = [nbytes(x.meta.get(meta.VAL)) or 0 for x in taken.moved[n]]
             found[part].setdefault("ulysses", []).append((hq, hkv, moved[0] + moved[1], moved[2] + moved[3]))
     s = saves(program, (n for n in program.graph.nodes if n in assign), lambda n: assign.get(n, "pre"),
               share_context=True)

@@ -151,13 +151,14 @@ def test_context_parallel_trains_as_one_process(pool2, pool4, pool8, name, plan,
 
 @pytest.mark.parametrize("name,plan,overrides", [
     ("llama", "cp=2,cp_attention=ulysses", {}),  # grouped-query: 4 query heads, 2 KV heads
-    ("mistral", "cp=2,cp_attention=ulysses", {}),  # a sliding window over every layer
+    ("gemma2", "cp=2,cp_attention=ulysses", {}),  # sliding-window layers, soft-capped eager attention
     ("llama", "cp=2,tp=2,cp_attention=ulysses", {"num_key_value_heads": 4}),  # per TP rank 2 heads: 1 per cp rank
 ])
 def test_ulysses_trains_as_one_process(pool2, pool4, name, plan, overrides):
     """Ulysses (queries, keys, values and output by all-to-all, each rank attending with its heads over the
-    whole, packed sequence) equals one process; each rank sends, per layer and direction, (cp - 1) / cp of its
-    queries, keys (KV heads), values and output, and ``fxpar inspect`` shows every all-to-all."""
+    whole, packed sequence; SDPA, and Gemma-2's eager attention) equals one process; each rank sends, per
+    layer and direction, (cp - 1) / cp of its queries, keys (KV heads), values and output, and ``fxpar
+    inspect`` shows every all-to-all."""
     pool = {2: pool2, 4: pool4}[fxpar.Plan.parse(plan).world_size]
     for r in pool.run(cp_training, name, plan, 4, 16, True, False, overrides, timeout=300):
         assert r["loss"] <= TOL and r["weights"] <= TOL and r["norm"] <= TOL, r

@@ -181,7 +181,8 @@ def test_export_traces_ops_with_fake_shapes():
     # ring over 2 ranks: all-reduce sends 2 * 1/2 of the payload, gathers and scatters 1/2
     assert collective_ring_bytes(gm) == {
         "all_reduce": full, "identity_fwd_all_reduce_bwd": 0, "all_gather": full // 2,
-        "all_gather_rs_bwd": full // 2, "reduce_scatter": full // 2, "scatter_slice": 0, "gather_params": 0, "all_to_all": 0,
+        "all_gather_rs_bwd": full // 2, "reduce_scatter": full // 2, "scatter_slice": 0, "gather_params": 0,
+        "all_to_all": 0,
     }
     assert ring_bytes("all_reduce", 1000, 4) == 1500 and ring_bytes("all_gather", 1000, 4) == 750
     assert ring_bytes("reduce_scatter", 1000, 1) == 0
