@@ -59,8 +59,9 @@ def _taken(node: ast.AST, modules: set[str]) -> bool:
 def _calls(path: Path, tree: ast.AST | None = None) -> list[str]:
     """The calls of torch.distributed collectives in ``path`` (or in ``tree``, a part of it), then the
     collectives taken without a call (``f = dist.all_gather_into_tensor``, ``getattr(dist, "...")``)."""
-    modules, direct = _dist_names(ast.parse(path.read_text()))
-    tree = tree or ast.parse(path.read_text())
+    module = ast.parse(path.read_text())
+    modules, direct = _dist_names(module)
+    tree = tree or module
     found, called = [], set()
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
