@@ -24,6 +24,7 @@ import torch
 import torch.fx.config
 from torch.export import Dim
 
+from fxpar.frontend.data_reads import data_as_detach
 from fxpar.frontend.diagnose import explain
 from fxpar.frontend.expert_loops import expert_hit_loops
 from fxpar.frontend.functions import keep_function_backwards
@@ -64,8 +65,9 @@ def capture_export(model: torch.nn.Module, example_args: tuple = (), example_kwa
     if saved is not None:
         torch.fx.config.do_not_emit_stack_traces = not stack_traces
     try:
-        # user autograd.Functions keep their own backward; loops over the experts a batch hit run over all
-        with keep_function_backwards(), expert_hit_loops():
+        # user autograd.Functions keep their own backward; loops over the experts a batch hit run over all;
+        # a parameter updated in place through .data keeps the update
+        with keep_function_backwards(), expert_hit_loops(), data_as_detach():
             return torch.export.export(model, tuple(example_args), example_kwargs, dynamic_shapes=shapes,
                                        strict=False)
     except Exception as exc:  # every capture failure becomes one clear TraceError
