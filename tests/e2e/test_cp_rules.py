@@ -6,6 +6,8 @@ refused, not silently wrong."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -176,19 +178,27 @@ def test_ulysses_takes_sdpa_where_heads_divide_else_keeps_the_gather():
     """``attention="ulysses"`` on a grouped-query Llama (4 query heads, 2 KV heads), traced for rank 0 of a
     named cp group: at cp=2 each layer's queries, keys, values and output go by all-to-all (4 per layer) and
     nothing is gathered; at cp=4 the 2 KV heads do not divide, so each layer keeps the all-gather of its keys
-    and values, with the head counts and the fix named."""
+    and values, and the report ``fxpar inspect`` prints names the head counts and the fix."""
     from fxpar import zoo
+    from fxpar.ir.mesh import MeshSpec
     from fxpar.ir.ops import count_collectives
     from fxpar.passes.context_parallel import context_parallel
+    from fxpar.report.context_parallel import cp_rows, cp_table
 
     cfg = zoo.tiny_config("llama")
-    program = fxpar.trace(zoo.build("llama", seed=0), example_kwargs=zoo.example_inputs("llama", cfg, batch=1, seq=16))
+    kw = zoo.example_inputs("llama", cfg, batch=1, seq=16)
+    program = fxpar.trace(zoo.build("llama", seed=0), example_kwargs=kw)
     local, res = context_parallel(program, 2, 0, "cp:0,1", keep_outputs={0}, attention="ulysses")
     counts = count_collectives(local.gm)
     assert len(res.ulysses) == cfg.num_hidden_layers and not res.kept and res.gathered == [], res
     assert counts["all_to_all"] == 4 * cfg.num_hidden_layers and counts["all_gather_rs_bwd"] == 0, counts
     local, res = context_parallel(program, 4, 0, "cp:0,1,2,3", keep_outputs={0}, attention="ulysses")
-    counts = count_collectives(local.gm)
+    plan = fxpar.Plan(cp=4, cp_attention="ulysses")  # the report reads this rank's stage graphs
+    view = SimpleNamespace(plan=plan, mesh=MeshSpec.for_plan(plan, 0),
+                           my_stages=lambda: [SimpleNamespace(index=0, gm=local.gm)])
+    kinds = [row["kind"] for row in cp_rows(view)]
+    assert kinds == ["all-gather"] * 2 * cfg.num_hidden_layers, kinds  # each layer's keys and values
     assert res.ulysses == [] and len(res.kept) == cfg.num_hidden_layers, res
-    assert all("4 query heads and 2 key/value heads" in why and "cp=4" in why for why in res.kept.values()), res.kept
-    assert counts["all_to_all"] == 0 and counts["all_gather_rs_bwd"] == 2 * cfg.num_hidden_layers, counts
+    kept = [line for line in cp_table(view).splitlines() if line.startswith("kept the all-gather: ")]
+    assert len(kept) == cfg.num_hidden_layers and all(
+        "4 query heads and 2 key/value heads" in line and "cp=4" in line for line in kept), kept
