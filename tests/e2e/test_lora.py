@@ -240,7 +240,7 @@ def _module(layer: str) -> str:
 
 # ---- fxpar train --lora: export, merge, resume under another plan -------------------------------------------
 
-LORA_ARGS = ["--lora", "r=4", "--lora-alpha", "16", "--lora-targets", ",".join(COLUMN + ROW), "--seq", "16",
+LORA_ARGS = ["--lora", "r=4", "--lora-alpha", "16", "--lora-targets", "q_proj,o_proj", "--seq", "16",
              "--batch", "4", "--lr", "2e-2", "--weight-decay", "0.1", "--max-grad-norm", "1.0"]
 
 
