@@ -55,7 +55,7 @@ def check_options(a) -> None:
                             ("--lora-dropout", a.lora_dropout), ("--merge", a.merge)) if v not in (None, False)]
     if lora is None:
         if given:
-            raise PlanError(f"{given[0]} without --lora: it sets up LoRA adapters", fix=FIX)
+            raise PlanError(f"{given[0]} without --lora: the LoRA options need --lora r=N", fix=FIX)
         return
     rank_of(lora)
     targets_of(a.lora_targets)
