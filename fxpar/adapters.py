@@ -19,6 +19,8 @@ frozen base read per rank from the model directory, and the export PEFT's own ``
 from __future__ import annotations
 
 import copy
+import itertools
+import re
 from pathlib import Path
 
 import torch
@@ -122,16 +124,16 @@ class AdapterWeights:
 def export_adapter(compiled, directory: str | Path, merge: bool = False) -> Path:
     """Write the adapters of the compiled PEFT model ``compiled`` as PEFT's ``save_pretrained`` does (every
     rank calls it; rank 0 writes). ``merge``: the merged model (PEFT's ``merge_and_unload`` on a copy on rank
-    0, then ``save_pretrained``) in ``directory`` and the adapter in ``directory/adapter``. The merge gathers
-    every tensor of the model on every rank (``full_state_dict``): the whole model must fit in each rank's
-    memory; the adapter export gathers only the adapters."""
+    0, then ``save_pretrained``) in ``directory`` and the adapter in ``directory/adapter``: rank 0 holds the
+    whole model, the other ranks one layer of it at a time. The adapter export gathers only the adapters."""
     directory, model = Path(directory), compiled.model
     if not compiled.program.info.wrapper_prefix or not hasattr(model, "peft_config"):
         raise PlanError(f"fxpar.adapters.export_adapter: {type(model).__name__} is no PEFT model "
                         "(get_peft_model(...)): export it with fxpar.checkpoint.export_hf")
     names = trainable_names(model)
-    state = compiled.full_state_dict(names=None if merge else set(names))
     rank = dist.get_rank() if dist.is_initialized() else 0
+    state = _gathered(compiled, list(model.state_dict(keep_vars=True)), rank) if merge else \
+        compiled.full_state_dict(names=set(names))
     if rank == 0:
         adapter_dir = directory / "adapter" if merge else directory
         model.save_pretrained(str(adapter_dir), state_dict={n: state[n].cpu() for n in names})
@@ -140,8 +142,19 @@ def export_adapter(compiled, directory: str | Path, merge: bool = False) -> Path
             merged.load_state_dict({k: v.cpu() for k, v in state.items()}, strict=False, assign=True)
             merged.merge_and_unload().save_pretrained(str(directory))
     del state
-    if dist.is_initialized() and compiled.world > 1:
+    if dist.is_initialized() and compiled.world > 1:  # the files are complete when any rank returns
         from fxpar.runtime import dist_calls
 
         dist_calls.barrier()
     return directory
+
+
+def _gathered(compiled, names: list[str], rank: int) -> dict[str, torch.Tensor]:
+    """Full tensors of ``names`` on rank 0 (empty elsewhere), gathered one layer at a time (the names up to
+    their first number: ``...layers.3.``), so that the other ranks hold one layer of them at a time."""
+    out: dict[str, torch.Tensor] = {}
+    for _, group in itertools.groupby(names, key=lambda n: re.match(r"(.*?\.\d+\.|.*)", n)[1]):
+        part = compiled.full_state_dict(names=set(group))
+        if rank == 0:
+            out.update(part)
+    return out
