@@ -19,7 +19,8 @@ saving and resuming follow :mod:`fxpar.train.saving` (``--save`` alone saves at 
 reproduces the uninterrupted run: weights and optimizer states come from the checkpoint (each rank reads
 its own shards, under any plan), the schedule's state, the data position and the tokens seen from its
 ``extra`` record, and every step seeds the RNG from ``(--seed, step)``. The progress line and the
-metrics records: :mod:`fxpar.train.progress`.
+metrics records: :mod:`fxpar.train.progress`. ``--lora``: the model wrapped by PEFT before it is compiled, only
+the adapters trained and exported (:mod:`fxpar.train.lora`, :mod:`fxpar.adapters`).
 """
 
 from __future__ import annotations
