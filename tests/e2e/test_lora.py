@@ -308,7 +308,8 @@ def test_train_lora_exports_what_peft_and_from_pretrained_load(chat_dir, lora_tr
 
 def test_train_lora_resumes_under_another_plan(pool2, chat_dir, lora_trained, tmp_path):
     """Resumed under pp=2 from the tp=2 run's step-2 checkpoint: the adapters and their AdamW states are restored
-    (steps 3 and 4 give the uninterrupted losses and adapters; fresh moments would not)."""
+    (steps 3 and 4 give the uninterrupted losses and adapters; fresh moments would not); the adapter exported
+    from the two stages loads in PEFT with the compiled model's logits."""
     out, whole = lora_trained
     (out / "ckpt" / "latest").write_text("step_00000002\n")
     r = pool2.run(lora_run, str(chat_dir), str(tmp_path), "pp=2", 4, ["--resume", str(out / "ckpt")],
@@ -318,6 +319,8 @@ def test_train_lora_resumes_under_another_plan(pool2, chat_dir, lora_trained, tm
     assert max(abs(a - b) for a, b in zip(r["losses"], whole["losses"][2:])) <= TOL, (r["losses"], whole["losses"])
     assert set(r["adapters"]) == set(whole["adapters"])
     assert max((r["adapters"][k] - whole["adapters"][k]).abs().max().item() for k in r["adapters"]) <= TOL
+    logits, _ = _peft_logits(chat_dir, tmp_path / "adapter_only", r["ids"])  # exported from the pp=2 stages
+    assert (logits - r["logits"]).abs().max() <= TOL
 
 
 def test_adapters_of_a_meta_built_model_start_as_peft_makes_them(chat_dir):
