@@ -18,6 +18,7 @@ Python traceback per node is about a tenth of the capture time of a large model.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -66,8 +67,8 @@ def capture_export(model: torch.nn.Module, example_args: tuple = (), example_kwa
         torch.fx.config.do_not_emit_stack_traces = not stack_traces
     try:
         # user autograd.Functions keep their own backward; loops over the experts a batch hit run over all;
-        # a parameter updated in place through .data keeps the update
-        with keep_function_backwards(), expert_hit_loops(), data_as_detach():
+        # a parameter updated in place through .data keeps the update; no distribution checks its arguments
+        with keep_function_backwards(), expert_hit_loops(), data_as_detach(), distribution_checks_off():
             return torch.export.export(model, tuple(example_args), example_kwargs, dynamic_shapes=shapes,
                                        strict=False)
     except Exception as exc:  # every capture failure becomes one clear TraceError
@@ -75,6 +76,22 @@ def capture_export(model: torch.nn.Module, example_args: tuple = (), example_kwa
     finally:
         if saved is not None:
             torch.fx.config.do_not_emit_stack_traces = saved
+
+
+@contextlib.contextmanager
+def distribution_checks_off():
+    """``torch.distributions`` without argument validation while capturing.
+
+    A distribution built in forward (``Categorical(logits=...).entropy()``) checks its arguments with a
+    Python ``if not constraint.check(value).all(): raise``: a branch on data, which export cannot trace
+    (``GuardOnDataDependentSymNode: Eq(u0, 1)``). The check never changes a number (it raises on invalid
+    values or passes), so the program is captured without it; eager calls still check."""
+    saved = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(saved)
 
 
 def _by_parameter_name(model: torch.nn.Module, example_args: tuple) -> dict[str, Any]:

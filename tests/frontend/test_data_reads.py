@@ -1,5 +1,6 @@
-"""A forward that updates a parameter in place through ``.data`` traces, and the program makes the update
-and uses the updated weight as eager does (:mod:`fxpar.frontend.data_reads`)."""
+"""Forward code torch.export cannot trace as written: a parameter updated in place through ``.data`` (the
+program makes the update and uses the updated weight, :mod:`fxpar.frontend.data_reads`), a distribution
+that checks its arguments with a branch on data (``fxpar.frontend.export.distribution_checks_off``)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,35 @@ def test_in_place_update_through_data_is_kept():
     for (name, p), q in zip(eager.named_parameters(), traced.parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=0, msg=f"{name} after the step")
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-6, msg=f"{name} gradient")
+
+
+class EntropyGate(torch.nn.Module):
+    """Scales by the entropy of a categorical over its logits (a distribution built in forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.logits = torch.nn.Linear(4, 5)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        entropy = torch.distributions.Categorical(logits=self.logits(x)).entropy()
+        return self.head(x) * entropy.unsqueeze(-1)
+
+
+def test_distribution_built_in_forward_traces():
+    torch.manual_seed(0)
+    model = EntropyGate()
+    x = torch.randn(3, 4)
+    program = fxpar.trace(model, (x,))
+    assert torch.distributions.Distribution._validate_args  # eager still checks after the capture
+    for batch in (x, 5 * torch.randn(6, 4)):
+        model.zero_grad(set_to_none=True)
+        want = model(batch)
+        want.square().sum().backward()
+        want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        got = program(batch)
+        got.square().sum().backward()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want_grads[name], rtol=0, atol=1e-6, msg=name)
