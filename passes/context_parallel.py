@@ -67,7 +67,7 @@ class CpResult:
     attention_mode: str = "allgather"  # Plan.cp_attention
     ulysses: list[str] = field(default_factory=list)  # attention nodes that trade sequence for heads by all-to-all
     all_to_alls: list[str] = field(default_factory=list)  # their key/value roots sent by all-to-all
-    kept: dict[str, str] = field(default_factory=dict)  # attention -> why it keeps the all-gather under ulysses
+    kept: dict[str, str] = field(default_factory=dict)  # attention -> why it keeps the all-gather (ulysses, auto)
 
 
 def sequence_length(program: Program) -> int:
@@ -97,7 +97,7 @@ def context_parallel(program: Program, cp: int, rank: int, group: str, keep_outp
                      attention: str = "allgather") -> tuple[Program, CpResult]:
     """``program`` rewritten for cp rank ``rank`` of ``cp`` in group ``group``. ``keep_outputs``: the user
     output positions returned whole (the loss); other sharded outputs stay this rank's rows (as TP leaves the
-    logits vocabulary-sharded). ``attention``: ``Plan.cp_attention`` (``"ulysses"``:
+    logits vocabulary-sharded). ``attention``: ``Plan.cp_attention`` (``"ulysses"`` and ``"auto"``:
     :mod:`fxpar.passes.cp_ulysses`)."""
     check(program, cp)
     graph = torch.fx.Graph()
@@ -108,7 +108,8 @@ def context_parallel(program: Program, cp: int, rank: int, group: str, keep_outp
     layout = rules.Layout(seq=seq, cp=cp, rank=rank, group=group)
     res = CpResult(cp=cp, seq=seq, attention_mode=attention)
     roots = rules.kv_roots(gm, program)  # analysis: where attention's keys and values are gathered
-    uly = cp_ulysses.plan(gm, roots, cp, rules.token_fed(gm, program)) if attention == "ulysses" else None
+    uly = cp_ulysses.plan(gm, roots, cp, rules.token_fed(gm, program), attention) if attention != "allgather" \
+        else None
     if uly is not None:
         cp_ulysses.mark(gm, uly)
         res.kept = dict(uly.kept)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from fxpar.ir.numeric import nbytes
 from fxpar.ir.op_classes import (
     ACTIVATION_PRODUCTS,
     ASSERTS,
@@ -67,9 +68,10 @@ class Plan:
     moved: dict = field(default_factory=dict)  # the same -> (queries, output, key root, value root)
 
 
-def plan(gm: torch.fx.GraphModule, roots: dict, cp: int, fed_by_tokens: set) -> Plan:
+def plan(gm: torch.fx.GraphModule, roots: dict, cp: int, fed_by_tokens: set, mode: str = "ulysses") -> Plan:
     """Which attentions of ``gm`` run as Ulysses on ``cp`` ranks (``roots``: :func:`kv_roots`' map;
-    ``fed_by_tokens``: :func:`~fxpar.passes.cp_rules.token_fed`)."""
+    ``fed_by_tokens``: :func:`~fxpar.passes.cp_rules.token_fed`; ``mode`` ``"auto"``: only those whose
+    all-to-alls send fewer bytes than the all-gather, :func:`fewer_bytes`)."""
     out = Plan()
     attentions = [n for n in gm.graph.nodes if n.op == "call_function" and
                   (packet(n) is SDPA or packet(n) in ACTIVATION_PRODUCTS)]
@@ -96,6 +98,10 @@ def plan(gm: torch.fx.GraphModule, roots: dict, cp: int, fed_by_tokens: set) -> 
         elif n in took and "pair" in took[n]:
             unit[took[n]["pair"]] = n
             out.kept.pop(took[n]["pair"].name, None)
+    for n in [n for n in took if mode == "auto" and not fewer_bytes(*_moved_bytes(took[n]["moved"]), cp)]:
+        qo, kv = _moved_bytes(took.pop(n)["moved"])
+        out.kept[n.name] = (f"cp_attention='auto': the all-gather sends no more bytes per rank ({kv * (cp - 1) // cp} "
+                            f"against Ulysses' {(qo + kv) * (cp - 1) // cp // cp})")
     changed = True
     while changed:  # keys and values shared with an attention that keeps the all-gather keep it too
         changed = False
@@ -114,6 +120,18 @@ def plan(gm: torch.fx.GraphModule, roots: dict, cp: int, fed_by_tokens: set) -> 
         for r, at in places.items():
             out.roots.setdefault(r, {}).update(at)
     return out
+
+
+def fewer_bytes(qo: int, kv: int, cp: int) -> bool:
+    """Whether Ulysses' all-to-alls send fewer bytes per rank than the all-gather: ``(cp - 1) / cp`` of this
+    rank's ``1 / cp`` of the queries, output, keys and values (``qo``, ``kv``: whole-sequence bytes) against
+    ``(cp - 1) / cp`` of the whole keys and values."""
+    return qo + kv < cp * kv
+
+
+def _moved_bytes(moved) -> tuple[int, int]:
+    q, o, k, v = (nbytes(x.meta.get("val")) or 0 for x in moved)
+    return q + o, k + v
 
 
 def mark(gm: torch.fx.GraphModule, taken: Plan) -> None:

@@ -22,7 +22,8 @@ pass and its runtime op (``fxpar::all_gather_rs_bwd``):
   queries, keys, values (KV heads) and output by all-to-all (:mod:`fxpar.passes.cp_ulysses`): each rank sends
   ``(cp - 1) / cp`` of its ``S / cp`` rows of each, in forward and again in backward, and attends with
   ``heads / cp`` heads over the whole sequence (``1 / cp`` of the attention's work and of what it keeps, with
-  no whole-sequence keys and values); an attention whose heads cp does not divide keeps the all-gather;
+  no whole-sequence keys and values); an attention whose heads cp does not divide keeps the all-gather, and
+  with ``"auto"`` so does one whose all-to-alls would send more bytes;
 * the cp ranks of a replica share its batch; gradients reduce, and ZeRO shards, over the ``dp x cp`` ranks
   of one pipeline and TP position (``fxpar.ir.mesh``: cp between pp and tp).
 """
@@ -58,10 +59,14 @@ class Attention:
     ulysses: tuple[tuple[int, int, int, int], ...] = ()
 
 
-def ulysses_at(att: Attention | None, cp: int) -> tuple[int, int, int]:
+def ulysses_at(att: Attention | None, cp: int, mode: str = "ulysses") -> tuple[int, int, int]:
     """(attentions Ulysses takes on ``cp`` ranks, the bytes of their queries and outputs, of their keys and
-    values: whole sequence, batch 1)."""
-    took = [u for u in (att.ulysses if att else ()) if u[0] % cp == 0 and u[1] % cp == 0]
+    values: whole sequence, batch 1); ``mode`` ``"auto"``: those whose all-to-alls send fewer bytes, as the
+    pass chooses (:func:`fxpar.passes.cp_ulysses.fewer_bytes`)."""
+    if mode not in ("ulysses", "auto"):
+        return 0, 0, 0
+    took = [u for u in (att.ulysses if att else ()) if u[0] % cp == 0 and u[1] % cp == 0 and
+            (mode == "ulysses" or u[2] + u[3] < cp * u[3])]
     return len(took), sum(u[2] for u in took), sum(u[3] for u in took)
 
 
@@ -71,7 +76,7 @@ def cp_part(part, cp: int, mode: str = "allgather"):
     if cp == 1:
         return part
     att = part.attention
-    if mode == "ulysses" and att is not None and 2 * ulysses_at(att, cp)[0] == att.gathers:
+    if att is not None and 2 * ulysses_at(att, cp, mode)[0] == att.gathers:
         att = None  # every attention on 1 / cp of the heads over the whole sequence: 1 / cp of it all
     rows = dict(att.rows) if att else {}
     whole = set(att.whole) if att else set()
@@ -113,7 +118,7 @@ def cp_comm(profile, part, cp: int, batch: int, inter: bool, again: bool, loss: 
     if cp == 1:
         return 0.0, 0.0, 0.0
     fwd = bwd = sent = 0.0
-    took, qo, kv_u = ulysses_at(att, cp) if mode == "ulysses" else (0, 0, 0)
+    took, qo, kv_u = ulysses_at(att, cp, mode)
     if att is not None and att.gathers > 2 * took:  # the attentions that gather their keys and values
         kv, gathers = att.kv - kv_u, att.gathers - 2 * took
         each = kv * batch / gathers  # one gathered tensor (a layer's keys, or its values)

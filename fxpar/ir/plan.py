@@ -100,10 +100,10 @@ class Plan:
     the head and one from the tail, so causal attention is balanced), attention gathers each layer's keys and
     values over them; they share their replica's slice of the batch, and gradients reduce (ZeRO shards) over
     ``dp x cp`` (docs/context_parallel.md)."""
-    cp_attention: Literal["allgather", "ulysses"] = "allgather"
-    """How attention reads the sequence across cp: ``allgather`` gathers keys and values; ``ulysses`` sends
-    queries, keys, values and output by all-to-all, each rank attending with ``heads / cp`` heads over the whole
-    sequence (an attention whose heads cp does not divide keeps the all-gather: ``fxpar inspect`` says why)."""
+    cp_attention: Literal["allgather", "ulysses", "auto"] = "allgather"
+    """Attention across cp: ``allgather`` gathers keys and values; ``ulysses`` sends queries, keys, values and
+    output by all-to-all, each rank attending with ``heads / cp`` heads over the whole sequence, where cp divides
+    the heads (else the all-gather; ``fxpar inspect`` says why); ``auto``: per attention, the fewer bytes."""
 
     def __post_init__(self):
         if isinstance(self.tp_replicate, (list, str)):  # a list from JSON / Python, one glob as a string

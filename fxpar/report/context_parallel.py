@@ -90,7 +90,9 @@ def cp_table(view) -> str:
     how = {"allgather": "keys and values gathered for attention, each rank sending (cp - 1) / cp of them",
            "ulysses": "queries, keys and values sent to their heads' rank by all-to-all where cp divides the "
                       "heads (Ulysses: each rank attends with heads / cp heads over the whole sequence), each "
-                      "rank sending (cp - 1) / cp of each"}[view.plan.cp_attention]
+                      "rank sending (cp - 1) / cp of each"}
+    how["auto"] = "per attention, whichever sends fewer bytes: " + how["ulysses"] + "; else " + how["allgather"]
+    how = how[view.plan.cp_attention]
     lines = [f"context parallel: cp={cp}, this rank is cp rank {rank} of group {view.mesh.group_name('cp')}: "
              f"tokens {ranges} of each {seq}-token sequence (chunks {rank} and {2 * cp - 1 - rank} of {2 * cp}); "
              + how]

@@ -122,5 +122,7 @@ def test_ulysses_bytes_are_the_other_ranks_share_of_queries_keys_values_and_outp
     for plan in (Plan(cp=4), Plan(cp=2, tp=2)):
         kept = pricer.price(replace(plan, cp_attention="ulysses"))
         assert kept.comm_bytes["cp"] == pricer.price(plan).comm_bytes["cp"], plan
+    # "auto" as the pass chooses: the all-gather here (4 query heads per 2 KV heads at cp=2 send 3/2 as much)
+    assert hand > gathered.comm_bytes["cp"] == pricer.price(Plan(cp=cp, cp_attention="auto")).comm_bytes["cp"]
     assert cp_part(costs.part(costs.layers[0], 1), cp, "ulysses").act["none"][0] == \
         costs.part(costs.layers[0], 1).act["none"][0] // cp

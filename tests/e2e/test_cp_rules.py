@@ -178,7 +178,8 @@ def test_ulysses_takes_sdpa_where_heads_divide_else_keeps_the_gather():
     """``attention="ulysses"`` on a grouped-query Llama (4 query heads, 2 KV heads), traced for rank 0 of a
     named cp group: at cp=2 each layer's queries, keys, values and output go by all-to-all (4 per layer) and
     nothing is gathered; at cp=4 the 2 KV heads do not divide, so each layer keeps the all-gather of its keys
-    and values, and the report ``fxpar inspect`` prints names the head counts and the fix."""
+    and values, and the report ``fxpar inspect`` prints names the head counts and the fix; ``"auto"`` keeps the
+    all-gather where it sends fewer bytes."""
     from fxpar import zoo
     from fxpar.ir.mesh import MeshSpec
     from fxpar.ir.ops import count_collectives
@@ -202,3 +203,11 @@ def test_ulysses_takes_sdpa_where_heads_divide_else_keeps_the_gather():
     kept = [line for line in cp_table(view).splitlines() if line.startswith("kept the all-gather: ")]
     assert len(kept) == cfg.num_hidden_layers and all(
         "4 query heads and 2 key/value heads" in line and "cp=4" in line for line in kept), kept
+    # "auto": Ulysses where it sends fewer bytes per rank than the all-gather, (4 + 2) / cp against 2 heads' worth
+    # here: at cp=2, 3 against 2, so every layer keeps the gather and says so
+    _, res = context_parallel(program, 2, 0, "cp:0,1", keep_outputs={0}, attention="auto")
+    row = 16 * cfg.head_dim * 4  # one head's 16 tokens, fp32
+    kv, qo = 2 * cfg.num_key_value_heads * row, 2 * cfg.num_attention_heads * row  # whole-sequence bytes
+    want = f"no more bytes per rank ({kv // 2} against Ulysses' {(qo + kv) // 2 // 2})"  # (cp - 1) / cp of each
+    assert res.ulysses == [] and len(res.kept) == cfg.num_hidden_layers, res
+    assert all(want in why for why in res.kept.values()), (want, res.kept)
