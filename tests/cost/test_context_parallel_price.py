@@ -11,7 +11,7 @@ import pytest
 
 from fxpar import zoo
 from fxpar.cost.comm import sent_bytes
-from fxpar.cost.context_parallel import LOSS_BYTES, cp_part
+from fxpar.cost.context_parallel import LOSS_BYTES, Attention, cp_part, ulysses_at
 from fxpar.cost.estimate import Pricer
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
@@ -124,5 +124,9 @@ def test_ulysses_bytes_are_the_other_ranks_share_of_queries_keys_values_and_outp
         assert kept.comm_bytes["cp"] == pricer.price(plan).comm_bytes["cp"], plan
     # "auto" as the pass chooses: the all-gather here (4 query heads per 2 KV heads at cp=2 send 3/2 as much)
     assert hand > gathered.comm_bytes["cp"] == pricer.price(Plan(cp=cp, cp_attention="auto")).comm_bytes["cp"]
+    # as many KV heads as query heads: Ulysses sends 2 / cp of the gather's bytes, so "auto" takes it from cp=3
+    row = SEQ * _head_dim(cfg) * 4
+    mha = Attention(kv=8 * row, gathers=2, layers=1, ulysses=((4, 4, 8 * row, 8 * row),))
+    assert [ulysses_at(mha, n, "auto")[0] for n in (2, 4)] == [0, 1] and ulysses_at(mha, 2)[0] == 1
     assert cp_part(costs.part(costs.layers[0], 1), cp, "ulysses").act["none"][0] == \
         costs.part(costs.layers[0], 1).act["none"][0] // cp
