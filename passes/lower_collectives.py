@@ -28,6 +28,7 @@ Per op (``n`` the group size, ``r`` this rank's index in it):
   along dim 0 first, then ``reduce_scatter_tensor`` (which scatters dim 0).
 * ``gather_params`` (ZeRO-3's flat bucket): cast to its compute dtype, ``all_gather_into_tensor``.
 * ``scatter_slice``: this rank's slice (no communication).
+* ``all_to_all`` (Ulysses attention): ``all_to_all_single`` with ``n`` equal blocks of dim 0 each way.
 
 A group of one rank needs no communication: its ops become copies. A ``gather_params`` with a
 ``comm_dtype`` (its 5th argument, ``"int8"``: quantised gathers) stays as it is and runs its own kernel
@@ -179,6 +180,12 @@ class _Lowering:
                     chunks = self.call(aten.split.Tensor, x, k, dim)
                     x = self.call(aten.cat.default, [self.call(operator.getitem, chunks, i) for i in range(n)], 0)
                 started = self.call(f.reduce_scatter_tensor.default, x, "sum", n, pg)
+            with graph.inserting_before(self.first_user):
+                out = self.call(f.wait_tensor.default, started)
+        elif rec.lowering == "all_to_all_single":  # equal blocks of dim 0: block j to rank j
+            k = x.meta["val"].shape[0] // n
+            with graph.inserting_before(node):
+                started = self.call(f.all_to_all_single.default, x, [k] * n, [k] * n, pg)
             with graph.inserting_before(self.first_user):
                 out = self.call(f.wait_tensor.default, started)
         else:  # a lowering this pass does not know: leave the node (it still runs, opaquely)

@@ -76,8 +76,8 @@ class Collective:
     (the input's shape), ``"gather"`` (the dim grows group-size times) or ``"scatter"`` (it shrinks
     group-size times). ``lowering``: what :mod:`fxpar.passes.lower_collectives` turns it into: a
     ``torch.ops._c10d_functional`` op (``"all_reduce"``, ``"all_gather_into_tensor"``,
-    ``"reduce_scatter_tensor"``), ``"slice"`` / ``"identity"`` (local, no communication), or ``"opaque"``
-    (kept: it runs its own kernel).
+    ``"reduce_scatter_tensor"``, ``"all_to_all_single"`` of equal blocks), ``"slice"`` / ``"identity"``
+    (local, no communication), or ``"opaque"`` (kept: it runs its own kernel).
 
     ``schema``: its arguments in ``torch.library`` syntax, the tensor first and the group's name second.
     ``kernel``: the :data:`PATTERNS` entry the runtime runs it with. ``grad``: the op its backward calls on
@@ -213,7 +213,8 @@ COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
                    "reduce-scatter of the gradient in the shard's own dtype (fp32 master weights: fp32 "
                    "reductions), each rank keeping its shard's sum."),
     # Context parallelism's Ulysses attention (fxpar.passes.cp_ulysses): its own inverse, so its own gradient
-    Collective("all_to_all", ("all_to_all",), ("all_to_all",), "same", "opaque", schema="Tensor x, str group",
+    Collective("all_to_all", ("all_to_all",), ("all_to_all",), "same", "all_to_all_single",
+               schema="Tensor x, str group",
                kernel="all_to_all", grad="all_to_all", check=_check_blocks, route=_block_route,
                doc="Block ``j`` of ``x``'s dim 0 (cut into group-size equal blocks) goes to rank ``j``; block "
                    "``i`` of the output came from rank ``i`` (each rank sends (n - 1) / n of ``x``). Backward: "

@@ -52,6 +52,10 @@ def _gathers(x, b):
     return g, s, a, p, i + 1, sl
 
 
+def _all_to_all(x):
+    return torch.ops.fxpar.all_to_all(torch.tanh(x), "tp:0,1") * 2
+
+
 def _args(n=4):
     torch.manual_seed(0)
     return [torch.randn(n, n, dtype=torch.float32) for _ in range(4)]
@@ -107,6 +111,15 @@ def test_lowering_of_every_op_kind():
     torch.testing.assert_close(out[1], x * 3)
     torch.testing.assert_close(out[3], b.double())
     torch.testing.assert_close(out[5], x)
+
+
+def test_all_to_all_lowers_to_equal_blocks():
+    gm = _traced(_all_to_all, [torch.randn(4, 6)])
+    assert lower_collectives(gm.graph, lambda name: ("7", 2, 1)) == 1
+    gm.recompile()
+    node = next(n for n in gm.graph.nodes if n.target == funcol.all_to_all_single.default)
+    assert node.args[1:] == ([2, 2], [2, 2], "7") and _targets(gm).count(funcol.wait_tensor.default) == 1
+    assert sum(count_collectives(gm).values()) == 0
 
 
 def _quantized_gathers(x):
@@ -174,7 +187,8 @@ def _lowered_equals_eager(fn_name: str) -> float:
     new_group("tp:0,1", [0, 1])
     fn = globals()[fn_name]
     torch.manual_seed(dist.get_rank())  # different inputs per rank: the collectives matter
-    args = [torch.randn(4, 6), torch.randn(8)] if fn is _gathers else _args()
+    args = [torch.randn(4, 6), torch.randn(8)] if fn is _gathers else [torch.randn(4, 6)] if fn is _all_to_all \
+        else _args()
     gm = _traced(fn, args)
     want = gm(*args)
     assert lower_collectives(gm.graph, funcol_group) > 0
@@ -185,7 +199,7 @@ def _lowered_equals_eager(fn_name: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fn", ["_mlp", "_gathers"])
+@pytest.mark.parametrize("fn", ["_mlp", "_gathers", "_all_to_all"])
 def test_lowered_graph_computes_what_fxpar_ops_compute(pool2, fn):
     assert all(d <= 1e-6 for d in pool2.run(_lowered_equals_eager, fn, timeout=120))
 
