@@ -77,10 +77,13 @@ def _class_axis(func, args, kwargs, first, out, axis):
         return b if axis == a else a if axis == b else axis
     if func in _REDUCE:
         dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        if dims is None or kwargs.get("keepdim", args[2] if len(args) > 2 else False):
-            return None if dims is None else axis
+        if dims is None:
+            return None
         dims = _dims(dims, first.dim())
-        return None if axis in dims else axis - sum(d < axis for d in dims)
+        if axis in dims:
+            return None
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        return axis if keepdim else axis - sum(d < axis for d in dims)
     return axis if out.shape == first.shape else None
 
 
@@ -97,7 +100,7 @@ class _ExpertHitMode(TorchFunctionMode):
         self.one_hot: dict[int, tuple[torch.Tensor, int, int, int | None, bool]] = {}
         self.bound: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (integer tensor, exclusive upper bound)
         self.known: dict[int, tuple[torch.Tensor, object]] = {}  # id -> (tensor, its value as Python data)
-        self.routed: dict[int, torch.Tensor] = {}  # the token sets of one expert (a where on the one-hot)
+        self.routed: dict[int, tuple[torch.Tensor]] = {}  # the token sets of one expert (a where on the one-hot)
 
     @staticmethod
     def _get(table: dict, t):
