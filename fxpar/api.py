@@ -90,10 +90,11 @@ class _Builder:
         """The expert-parallel pass's EpResult (None without ``Plan(ep=N)`` or before the first trace)."""
         return self.shared.get("ep")
 
-    def predict_memory(self, trainable: int, states: int) -> dict:
-        """Parameter, gradient and optimizer-state bytes per rank (``fxpar.cost.memory.state_bytes``)."""
+    def predict_memory(self, trainable: int, states: int, frozen: int = 0) -> dict:
+        """Parameter, gradient and optimizer-state bytes per rank (``fxpar.cost.memory.state_bytes``); the
+        ``frozen`` entries' weights under ``"frozen"``."""
         plan = self.plan
-        return state_bytes(trainable, plan.zero, plan.dp, states, plan.dp_replicate)
+        return state_bytes(trainable, plan.zero, plan.dp, states, plan.dp_replicate, frozen)
 
     def static_cache(self, batch: int, max_len: int):
         """A KV cache the model traces with (``CompiledModel.generate``), or None (fxpar.frontend.cache)."""

@@ -95,11 +95,13 @@ class PricedPlan:
 
     def memory(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds for parameters, gradients and optimizer states: ``predicted`` from parameter counts
-        (fp32 master weights); ``measured`` from the tensors once a step has run (never for a priced plan)."""
-        program, n = self._train.program, 0
-        for s in self._train.pipeline.stages_of(self.pp_rank):  # trainable tensors of each stage, whole
-            n += sum(t.numel() for t in {id(t): t for t in map(program.tensor, s.params) if t.requires_grad}.values())
-        out = {"predicted": self.build.predict_memory(n, state_count(self.optimizer))}
+        (fp32 master weights; frozen ones weights alone, under ``"frozen"``); ``measured`` from the tensors once a
+        step has run (never for a priced plan)."""
+        program, n = self._train.program, [0, 0]
+        for s in self._train.pipeline.stages_of(self.pp_rank):  # tensors of each stage, whole: trainable, frozen
+            for t in {id(t): t for t in map(program.tensor, s.params)}.values():
+                n[not t.requires_grad] += t.numel()
+        out = {"predicted": self.build.predict_memory(n[0], state_count(self.optimizer), n[1])}
         measured = self._measured()
         if measured is not None:
             out["measured"] = measured

@@ -62,14 +62,15 @@ def engine_times(p, zero: int, n: int, g: DpGroups, bucket: int) -> tuple[float,
     return red, last, across + gather * (2 if zero == 1 else 1)
 
 
-def sent_bytes(zero: int, n: int, m: int, gbytes: int, g: DpGroups) -> tuple[float, float]:
-    """Bytes one rank sends per step for data parallelism over ``n`` entries, ``m`` microbatches
+def sent_bytes(zero: int, n: int, m: int, gbytes: int, g: DpGroups, frozen: int = 0) -> tuple[float, float]:
+    """Bytes one rank sends per step for data parallelism over ``n`` trainable entries, ``m`` microbatches
     (``gbytes``: ZeRO-3's gather wire bytes per entry), as ``(inside the shard group, across replicas)``
-    (ring algorithms, :data:`fxpar.cost.comm.RING`)."""
+    (ring algorithms, :data:`fxpar.cost.comm.RING`). ``frozen`` entries more have no gradient to reduce:
+    only ZeRO-3 sends them, its gathers."""
     full, s = 4 * n, g.shard
     across = sent("all_reduce", 4 * -(-n // s), g.replicas)
     if zero == 3:  # each microbatch gathers forward and backward, and reduce-scatters the gradients
-        return m * (2 * sent("all_gather", n * gbytes, s) + sent("reduce_scatter", full, s)), across
+        return m * (2 * sent("all_gather", (n + frozen) * gbytes, s) + sent("reduce_scatter", full, s)), across
     if g.replicas == 1:
         return sent("all_reduce", full, s) + (sent("all_gather", full, s) if zero else 0.0), 0.0
     return sent("reduce_scatter", full, s) * (3 if zero == 1 else 2), across

@@ -36,12 +36,12 @@ from fxpar.cost.overheads import (
     call_time,
     comm_share,
     dp_bucket_count,
-    gather_copy_time,
     overheads,
 )
 from fxpar.cost.roofline import is_matmul, work_time
 from fxpar.cost.schedule import EXACT_LIMIT, critical_path, n_actions
 from fxpar.cost.stages import Segments
+from fxpar.cost.zero3_times import zero3_times
 from fxpar.ir import schedule as sched
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
@@ -106,8 +106,9 @@ class Pricer:
     def kind(self, name: str, tp: int, sp: bool, b: int, recompute: str, world: int, dtype: str, ep: int = 1,
              ep_inter: bool = False, fused: bool = False, cp: int = 1, cp_inter: bool = False, cp_mode="allgather"):
         """(fwd, bwd incl. recompute, weight-grad, tp fwd, tp bwd, params, kept, transient, out, outputs, *ep_comm,
-        *cp_comm) of one part; transient: what its backward adds on top of the kept activations (the recomputed
-        forward and the gradients alive at once); outputs: the program's outputs it makes, kept to the step's end."""
+        *cp_comm, frozen) of one part; transient: what its backward adds on top of the kept activations (the
+        recomputed forward and the gradients alive at once); outputs: the program's outputs it makes, kept to the
+        step's end; frozen: of params, the entries that do not train (a LoRA's base)."""
         key = (name, tp, sp, b, recompute, world, dtype, ep, ep_inter, fused, cp, cp_inter, cp_mode)
         got = self._kinds.get(key)
         if got is not None:
@@ -131,7 +132,8 @@ class Pricer:
         got = ((fwd) / share, (bwd + extra) / share, bwd / 2 / share, tf, tb, part.params,
                act[0] * b, (act[1] + part.grad_bytes) * b, part.out_bytes * b, part.kept_out * b,
                *ep_comm(p, part, ep, b, ep_inter, again, share=share),
-               *cp_comm(p, part, cp, b, cp_inter, again, name == "post", share=share, mode=cp_mode))
+               *cp_comm(p, part, cp, b, cp_inter, again, name == "post", share=share, mode=cp_mode),
+               min(part.frozen, part.params))
         self._kinds[key] = got
         return got
 
@@ -153,7 +155,7 @@ class Pricer:
         if got is not None:
             return got
         got = {k: [] for k in ("F", "B", "W", "tf", "tb", "params", "kept", "trans", "outs", "tpsent", "big",
-                                "kout", "bigt", "ef", "eb", "eparams", "esent", "cf", "cb", "csent")}
+                                "kout", "bigt", "ef", "eb", "eparams", "esent", "cf", "cb", "csent", "frozen")}
         bounds = self.segs.cuts(n_stages, b, dtype)
         for s, e in bounds:
             units: dict[int, float] = {}  # part -> its share in the stage (two halves of a layer: whole)
@@ -162,7 +164,7 @@ class Pricer:
             ks = [(self.kind(self.names[i], tp, sp, b, rc, world, dtype, *var), f) for i, f in units.items()]
             for name, i in (("F", 0), ("B", 1), ("W", 2), ("tf", 3), ("tb", 4), ("params", 5), ("kept", 6),
                             ("kout", 9), ("ef", 10), ("eb", 11), ("eparams", 12), ("esent", 13), ("cf", 14),
-                            ("cb", 15), ("csent", 16)):
+                            ("cb", 15), ("csent", 16), ("frozen", 17)):
                 got[name].append(sum(k[i] * f for k, f in ks))
             got["trans"].append(max(k[7] for k, _ in ks))
             got["params"][-1] += _borrowed(self, s, e, tp, sp)
@@ -220,6 +222,7 @@ class Pricer:
         dtype = self.dtype(plan)
         st = self._stages(n_stages, tp, sp, b, rc, world, dtype, _variant(self, plan))
         params, kept, trans, outs = st["params"], st["kept"], st["trans"], st["outs"]
+        trained = [x - y for x, y in zip(params, st["frozen"])]  # no gradient, reduction or step for frozen ones
         tf, tb = st["tf"], st["tb"]
         if plan.collective_matmul:  # the chunks' collectives hide behind the matmuls
             k = plan.collective_matmul
@@ -230,7 +233,7 @@ class Pricer:
             tb = [x + y + z for x, y, z in zip(tb, st["eb"], st["cb"])]
         zf = zb = [0.0] * n_stages
         if plan.zero == 3 and groups.shard > 1:
-            zf, zb = _zero3(self, n_stages, tp, sp, b, rc, world, dtype, groups.shard, groups.shard_inter, gbytes,
+            zf, zb = zero3_times(self, n_stages, tp, sp, b, rc, world, dtype, groups.shard, groups.shard_inter, gbytes,
                                  1 if plan.quantize_grads else 4, plan.prefetch > 0, _variant(self, plan))
         # the pipeline runtime's bookkeeping per action (fxpar.cost.overheads; 0 where not measured)
         act = p.pipeline_action.get(name, 0.0) / p.share(min(world, p.ranks_per_node)) if pp > 1 else 0.0
@@ -253,7 +256,7 @@ class Pricer:
         pkey = ("peaks", n_stages, tp, sp, b, rc, world, dtype, name, pp, m, v, is_exact, _variant(self, plan))
         acts = self._stage_cache.get(pkey)
         if acts is None:  # plans differing only in data parallelism share them
-            acts = self._stage_cache[pkey] = activation_peaks(name, pp, m, v, mine, kept, trans, st["kout"], params,
+            acts = self._stage_cache[pkey] = activation_peaks(name, pp, m, v, mine, kept, trans, st["kout"], trained,
                                                               is_exact)
         # the slowest rank's busy time and its parts
         busy = [m * sum(F[s] + B[s] for s in st) for st in mine]
@@ -263,9 +266,9 @@ class Pricer:
         compute = busy[r0] - tp_time - z3_time
         # data parallel: buckets reduce as they fill in the last microbatch's backward
         dp_exposed, opt_time, worst = per_rank(p, dplan, m, mine, params, B, acts, st["big"], groups, gbytes,
-                                                st["bigt"], (st["eparams"], experts) if experts else None)
+                                                st["bigt"], (st["eparams"], experts) if experts else None, st["frozen"])
         # fxpar's own costs outside the actions (those inside are in F/B/W above): buckets, optimizer tensors
-        runtime = _runtime(self, dplan, mine[r0], params, gbytes, world, (n_stages, b, dtype)).total
+        runtime = _runtime(self, dplan, mine[r0], trained, gbytes, world, (n_stages, b, dtype)).total
         step = makespan + dp_exposed + opt_time + runtime
         pp_comm = min(max(0.0, makespan - busy[r0]), 2 * (n_stages - 1) * comm)
         idle = max(0.0, makespan - busy[r0] - pp_comm)
@@ -273,9 +276,10 @@ class Pricer:
                  "bubble": idle, "optimizer": opt_time, "runtime": runtime}
         ep = {**ep_part_of(plan, parts, st, mine[r0], m), **cp_part_of(plan, parts, st, mine[r0], m)}  # apart from TP
         memory = {**worst[1], "activations": int(worst[2]), "buffers": int(worst[3]), "total": int(worst[0])}
-        n0 = sum(params[s] for s in mine[r0])
+        n0 = sum(trained[s] for s in mine[r0])
         tp_bytes = m * sum(st["tpsent"][x] for x in mine[r0])
-        inside, across = dp_sent(dplan, n0, sum(st["eparams"][s] for s in mine[r0]), m, gbytes, groups, experts)
+        inside, across = dp_sent(dplan, n0, sum(st["eparams"][s] for s in mine[r0]), m, gbytes, groups, experts,
+                                 sum(st["frozen"][s] for s in mine[r0]))
         dp_inter = inside * groups.shard_inter + across * groups.replicas_inter  # of it, over inter-node links
         pp_bytes = max(2 * m * sum(outs[s] for s in st if s < n_stages - 1) for st in mine) if pp > 1 else 0
         tokens = self.batch * c.seq
@@ -326,40 +330,6 @@ def _runtime(self: Pricer, plan: Plan, stages: list[int], params: list, gbytes: 
     tensors = buckets if plan.zero in (1, 2) and dp > 1 else _tensors(self, stages, *cut)
     return overheads(self.profile, StepCounts(dp_buckets=buckets, dp_bucket_bytes=grads, optimizer_tensors=tensors,
                                               optimizer_groups=1, busy_ranks=min(world, self.profile.ranks_per_node)))
-
-
-def _zero3(self: Pricer, n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbytes, rbytes, prefetch, var=()) -> tuple:
-    """ZeRO-3's exposed gather / reduce-scatter time per stage and microbatch (forward, backward):
-    each part's bucket is gathered one ahead of use (``prefetch``), so only what its compute cannot
-    cover shows; the first bucket of the model always shows."""
-    key = (n_stages, tp, sp, b, rc, world, dtype, dp, inter, gbytes, rbytes, prefetch, var)
-    got = self._stage_cache.get(key)
-    if got is not None:
-        return got
-    p = self.profile
-    cshare = p.share(min(world, p.ranks_per_node))
-    slow = comm_share(p, min(world, p.ranks_per_node), dp)  # collectives slowed by ranks computing beside them
-    zf, zb = [], []
-    for s, e in self.segs.cuts(n_stages, b, dtype):
-        f = bw = 0.0
-        for u in range(s, e):
-            i, share = self.units[u]
-            k = self.kind(self.names[i], tp, sp, b, rc, world, dtype, *var)
-            ck = ("z3", k[5], gbytes, rbytes, dp, inter)
-            both = self._kinds.get(ck)
-            if both is None:
-                both = self._kinds[ck] = (p.collective_time("all_gather", k[5] * gbytes, dp, inter),
-                                          p.collective_time("reduce_scatter", k[5] * rbytes, dp, inter))
-            gather, rs = both[0] * share / slow, both[1] * share / slow
-            copy = gather_copy_time(p, k[5] * gbytes) / cshare * share  # the op's copies (fxpar.cost.overheads)
-            gather, rs = gather + copy, rs + copy
-            hide = prefetch and u > 0 and p.comm_overlaps
-            f += max(0.0, gather - k[0] * share) if hide else gather
-            bw += max(0.0, gather + rs - k[1] * share) if hide else gather + rs
-        zf.append(f)
-        zb.append(bw)
-    self._stage_cache[key] = got = (zf, zb)
-    return got
 
 
 def _tp_times(p, part, tp: int, b: int, world: int, share: float) -> tuple[float, float]:

@@ -144,12 +144,14 @@ def ep_part_of(plan, parts: dict, st: dict, stages: list[int], m: int) -> dict:
     return {"ep": int(m * sum(st["esent"][s] for s in stages))}
 
 
-def dp_sent(plan, n: float, ne: float, m: int, gbytes: float, groups: DpGroups, experts: DpGroups | None):
-    """Data parallelism's bytes one rank sends for ``n`` entries of which ``ne`` are expert slices (over
-    ``experts``), as :func:`fxpar.cost.data_parallel.sent_bytes`' ``(inside the shard group, across replicas)``."""
+def dp_sent(plan, n: float, ne: float, m: int, gbytes: float, groups: DpGroups, experts: DpGroups | None,
+            frozen: int = 0):
+    """Data parallelism's bytes one rank sends for ``n`` trainable entries of which ``ne`` are expert slices
+    (over ``experts``), and ``frozen`` entries that do not train (ZeRO-3 gathers them), as
+    :func:`fxpar.cost.data_parallel.sent_bytes`' ``(inside the shard group, across replicas)``."""
     if plan.replicas == 1:
         return 0.0, 0.0
-    inside, across = sent_bytes(plan.zero, n - ne, m, gbytes, groups)
+    inside, across = sent_bytes(plan.zero, n - ne, m, gbytes, groups, int(frozen))
     if ne and experts is not None:
         inside += sent_bytes(plan.zero, ne, m, gbytes, experts)[0]
     return inside, across

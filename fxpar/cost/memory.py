@@ -29,16 +29,19 @@ ADAM_BYTES = 28  # AdamW per fp32 entry: reads param, grad, 2 states; writes par
 BUCKET = DEFAULT_BUCKET_BYTES  # the data-parallel engine's gradient bucket
 
 
-def state_bytes(numel: int, zero: int, dp: int, states: int, dp_replicate: int = 1) -> dict[str, int]:
+def state_bytes(numel: int, zero: int, dp: int, states: int, dp_replicate: int = 1, frozen: int = 0) -> dict[str, int]:
     """Bytes one rank holds between steps for ``numel`` trainable fp32 parameter entries of its stages:
     ZeRO-1/2 add an fp32 master shard; ZeRO-2 keeps gradient shards only (plus full gradients of the
     step in flight: :func:`step_grads`); ZeRO-3 keeps shards of everything (``runtime/zero3.py``: after
     compile only its shards); ``states`` optimizer states per entry.
-    ``dp_replicate`` (HSDP): the shards are over ``dp / dp_replicate`` ranks, each held by that many replicas."""
+    ``dp_replicate`` (HSDP): the shards are over ``dp / dp_replicate`` ranks, each held by that many replicas.
+    ``frozen``: entries more that do not train (``requires_grad=False``: a LoRA's base), weights alone: no
+    gradient, master shard or optimizer state (``runtime/model.py``), sharded by ZeRO-3 in buckets of their own."""
     n, dp = numel, dp // dp_replicate
     return {"params": 4 * n // dp if zero == 3 else 4 * n + (4 * n // dp if zero in (1, 2) else 0),
             "grads": 4 * n // dp if zero >= 2 else 4 * n + (4 * n // dp if zero == 1 else 0),
-            "optimizer": 4 * states * n // (dp if zero >= 1 else 1)}
+            "optimizer": 4 * states * n // (dp if zero >= 1 else 1),
+            "frozen": 4 * frozen // (dp if zero == 3 else 1)}
 
 
 def step_grads(numel: int, zero: int, microbatches: int) -> int:
@@ -74,7 +77,7 @@ def activation_peaks(name: str, pp: int, m: int, v: int, mine, kept, trans, kout
 
 
 def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpGroups, gbytes: float,
-             big_tensor, experts: tuple | None = None) -> tuple:
+             big_tensor, experts: tuple | None = None, frozen: list | None = None) -> tuple:
     """Over the pipeline ranks: the data-parallel time left exposed after the last microbatch's backward
     (buckets reduce as they fill; ZeRO-1/2 then gather the updated shards), the optimizer step, and the
     fullest rank's memory ``(peak, states, activations, buffers)``.
@@ -90,6 +93,9 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
     activations are gone and every gradient is there, with the optimizer's temporaries
     (:func:`optimizer_transient`).
 
+    ``frozen``: per stage, the entries of ``params`` that do not train: weights alone (:func:`state_bytes`),
+    no gradient, no reduction, no optimizer step.
+
     ``experts`` (expert parallelism): ``(expert entries per stage, their dp group)``: those of ``params``
     that reduce and shard over that group (``runtime/model.py``'s ``make_engine``), the rest over
     ``groups``; ``plan.dp`` is then the ``dp x ep`` replicas."""
@@ -100,12 +106,13 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
     worst: tuple = ()
     per_n: dict[int, tuple] = {}  # ranks holding equal parameter counts share their collectives
     for r in range(pp):
-        n = sum(params[s] for s in mine[r])
+        fz = sum(frozen[s] for s in mine[r]) if frozen else 0
+        n = sum(params[s] for s in mine[r]) - fz  # trainable entries
         ne = sum(experts[0][s] for s in mine[r]) if experts else 0
-        got = per_n.get((n, ne))
+        got = per_n.get((n, ne, fz))
         if got is None:
             red, last, gather = engine_times(p, plan.zero, n - ne, groups, BUCKET) if dp > 1 else (0.0, 0.0, 0.0)
-            mem = state_bytes(n - ne, plan.zero, dp, ADAM_STATES, plan.dp_replicate)
+            mem = state_bytes(n - ne, plan.zero, dp, ADAM_STATES, plan.dp_replicate, fz)
             stepped = (n - ne) // groups.shard if plan.zero else n - ne
             if ne:  # the expert slices: their own buckets after the dense ones, sharded over their group
                 g = experts[1]
@@ -116,20 +123,21 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
             red, last, gather = red / slow, last / slow, gather / slow  # the dense and the expert buckets alike
             mem["grads"] += step_grads(n, plan.zero, m)
             opt = p.optimizer_time(stepped, ADAM_BYTES)
-            got = per_n[(n, ne)] = (red, last, gather, mem, sum(mem.values()), opt)
+            got = per_n[(n, ne, fz)] = (red, last, gather, mem, sum(mem.values()), opt)
         red, last, gather, mem, held, opt = got
         if dp > 1:  # (ZeRO-3's gathers are in B; with HSDP its shards' all-reduce follows the backward)
             hidden = sum(B[s] for s in mine[r]) if p.comm_overlaps else 0.0
             dp_exposed = max(dp_exposed, max(0.0, red - hidden) + (last if p.comm_overlaps else 0.0) + gather)
         opt_time = max(opt_time, opt)
         buffers, made, bucket = 0, True, 0  # made: whether the gradients backward makes add to the state
+        trains = n / max(1, n + fz)  # the share of a bucket or a tensor that has gradients and optimizer state
         if plan.zero == 3 and dp > 1:
             part = max(big_part[x] for x in mine[r])
             buffers, made = part * gbytes, False
             # a bucket's backward: the regathered bucket, its parameters' gradients and their concatenation
             # (then gloo's reduce-scatter copy of it) alive at once; at the last bucket's, every other
             # shard's gradient is made
-            bucket = held + (gbytes + 8) * part
+            bucket = held + (gbytes + 8 * trains) * part
         elif plan.zero == 2 and dp > 1 and m > 1:
             made = False  # accumulated whole over the microbatches (counted in the state)
         # gradients held as the step begins: the step drops its stages' parameters' .grad before the forward
@@ -137,6 +145,7 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
         before = 0 if dp == 1 and plan.zero == 0 or plan.zero == 3 else mem["grads"]
         total = max(held - mem["grads"] + before + buffers + acts[r][made], bucket)
         stepped = max(big_part[x] for x in mine[r]) if plan.zero == 3 else max(big_tensor[x] for x in mine[r])
+        stepped = int(stepped * trains)  # (a LoRA's largest stepped tensor: roughly its adapters' share)
         total = max(total, held + optimizer_transient(p, plan.zero, n, stepped, groups.shard if plan.zero else 1))
         if not worst or total > worst[0]:
             worst = (total, mem, acts[r][0], buffers)

@@ -45,6 +45,7 @@ class Build(Protocol):
         """The plan priced by the cost model for the example batch (the Estimate the planner ranks);
         raises a PlanError where it cannot be priced."""
 
-    def predict_memory(self, trainable: int, states: int) -> dict:
+    def predict_memory(self, trainable: int, states: int, frozen: int = 0) -> dict:
         """Bytes a rank holding ``trainable`` parameter entries needs for its parameters, gradients and
-        ``states`` fp32 optimizer states per entry, under the plan's ZeRO stage."""
+        ``states`` fp32 optimizer states per entry, under the plan's ZeRO stage; ``frozen`` entries more
+        (``requires_grad=False``) hold their weights alone."""

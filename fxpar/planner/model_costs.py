@@ -74,6 +74,7 @@ class RankPart:
     # Only the weights "pre" and "post" share (a tied embedding and head): a pipeline stage running "post"
     # without "pre" holds its own copy, its gradient and optimizer state (runtime/tied.py)
     borrowed: dict[str, tuple[str, int]] = field(default_factory=dict)
+    frozen: int = 0  # of ``params``, entries that do not train (requires_grad=False: a LoRA's base): weights only
     _times: dict = field(default_factory=dict, repr=False, compare=False)  # (profile id, batch, dtype) -> result
 
     def largest_weight(self) -> int:
@@ -226,7 +227,7 @@ def _rank_parts(program: Program, units: bool = False) -> tuple[dict[str, RankPa
         rows[part].extend(_node_rows(program, node, weights))
         members[part].add(node.name)
         end[where[node]] = i + 1  # a pipeline cut after the part: where its last node stands
-    params = dict.fromkeys(names, 0)
+    params, frozen = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
     borrowed: dict[str, dict[str, tuple[str, int]]] = {k: {} for k in names}
     for node in program.graph.nodes:
         b = bound.get(node.name) if node.op == "placeholder" else None
@@ -236,6 +237,7 @@ def _rank_parts(program: Program, units: bool = False) -> tuple[dict[str, RankPa
         owner = users[0] if users else "pre"
         numel = program.params[b.target].numel
         params[owner] += numel
+        frozen[owner] += 0 if program.params[b.target].requires_grad else numel
         for other in dict.fromkeys(users):
             if other != owner and {owner, other} == {"pre", "post"}:
                 borrowed[other][b.target] = (owner, numel)
@@ -251,7 +253,7 @@ def _rank_parts(program: Program, units: bool = False) -> tuple[dict[str, RankPa
     for k in names:
         out = 0 if k == "post" else cross[end.get(k, 0)]
         parts[k] = RankPart(rows[k], params[k], comm[k], acts[k], out, grads.get(k, 0), outs.get(k, 0), segs[k],
-                            borrowed=borrowed[k], attention=attention.get(k))
+                            borrowed=borrowed[k], attention=attention.get(k), frozen=frozen[k])
     return parts, order
 
 
