@@ -337,7 +337,8 @@ def _prepare(model, plan: Plan, mesh: MeshSpec, example_args, example_kwargs, *,
         shape = e
     builder = _Builder(model, plan, mesh, setup, actions, device, profile, frontend, source, groups, shape,
                        priced=priced)
-    if plan.ep > 1:  # the EP pass's precondition, on the first trace (compile reuses it), before any communication
+    # EP's and QLoRA's preconditions, on the first trace (compile reuses it), before any communication
+    if plan.ep > 1 or plan.base_dtype is not None:
         if program is None:
             program = builder.trace_first(flat, pytree.tree_flatten((tuple(example_args), example_kwargs))[1])
         passes.check(program, builder.context(setup))

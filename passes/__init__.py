@@ -28,6 +28,8 @@ from fxpar.passes.fused_loss import fuse_loss
 from fxpar.passes.lower_collectives import lower_collectives
 from fxpar.passes.materialize_weights import materialize_weights
 from fxpar.passes.pipeline_split import loss_position, split_pipeline
+from fxpar.passes.quantize_base import check as quantize_base_check
+from fxpar.passes.quantize_base import quantize_base
 from fxpar.passes.recompute import recompute
 from fxpar.passes.retarget_device import retarget_device
 from fxpar.passes.runner import Pass, PassContext, PassOutputs, Runner
@@ -143,6 +145,8 @@ STAGE_PASSES = (  # StageSpec -> StageSpec, only the stages this rank runs, pass
          when=lambda c: c.load is not None),  # after TP (loads only this rank's shards), before zero3 (flattens them)
     Pass("retarget_device", retarget_device,
          when=lambda c: c.load is not None and c.traced_on_meta),  # after weights: factory calls follow them
+    # after the weights (each rank quantizes the TP shard it holds), before anything that reads the graph's linears
+    Pass("quantize_base", quantize_base, when=lambda c: c.plan.base_dtype is not None),
     Pass("zero3", _zero3, when=lambda c: c.plan.zero == 3),  # after TP and split: shards what this rank holds
     # under bf16 autocast, or where Dynamo will trace the stage (its docstring says why)
     Pass("drop_dtype_asserts", drop_dtype_asserts,
@@ -165,6 +169,8 @@ def check(program: Program, ctx: PassContext) -> None:
     """The program passes' preconditions on the traced ``program`` (compile runs them on its first trace,
     before any rank communicates): a PlanError where a pass the plan asks for cannot apply."""
     Runner(ctx).check(PROGRAM_PASSES, program)
+    if ctx.plan.base_dtype is not None:
+        quantize_base_check(program, ctx)
 
 
 def run(program: Program, ctx: PassContext) -> tuple[Program, PipelineProgram]:

@@ -1,0 +1,89 @@
+"""A linear layer over a block-quantized frozen weight (QLoRA's base, ``Plan(base_dtype="int8")``):
+``torch.ops.fxpar_kernels.int8_linear``, what ``passes/quantize_base.py`` emits in place of ``aten.linear``.
+
+Reads: the input ``x [..., in]``, the weight's int8 codes ``[out, blocks * block]`` and fp32 scales
+``[out, blocks]`` (:func:`quantize_rows`), an optional bias. Writes: ``x @ W.T + bias`` with
+``W = codes * scales`` (per block, fp32, cast to ``x``'s dtype), computed per call: the full-precision weight
+exists only while its layer runs, forward or backward.
+
+The scheme is :mod:`fxpar.runtime.kernels.quant`'s (symmetric absmax, ``scale = absmax * (1 / 127)``, codes
+rounded half to even in ``[-127, 127]``, an all-zero block has scale 0), with blocks along each row's input
+features: a row of ``in`` entries is ``ceil(in / block)`` blocks, the last one zero-padded. The weight held
+is ``1 + 4 / block`` bytes per entry (block 64: 0.266x fp32). Under TP the pass runs after the cut, so each
+rank quantizes its own shard and no block straddles two ranks.
+
+Backward: the weight is frozen (no gradient for codes or scales); ``dx = dy @ W`` dequantizes ``W`` again
+from the codes, which is all autograd keeps besides ``x``'s shape; the bias, if trainable, gets ``dy``
+summed. The torch path runs on every device (no Triton kernel yet: on CUDA the dequantize and the matmul
+are two kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["BLOCK", "dequantize_rows", "int8_linear", "quantize_rows"]
+
+BLOCK = 64  # entries per scale along the input features: bitsandbytes' QLoRA block, 0.266x fp32 held
+QMAX = 127
+INV_QMAX = 1.0 / QMAX  # as fxpar.runtime.kernels.quant: one rounding on every device
+
+
+def quantize_rows(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [out, in]`` -> (int8 codes ``[out, ceil(in / block) * block]``, fp32 scales ``[out, ceil(in / block)]``)."""
+    out, n = w.shape
+    pad = -n % block
+    wb = F.pad(w.detach().to(torch.float32), (0, pad)).view(out, -1, block)
+    scale = wb.abs().amax(dim=2) * INV_QMAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.div(wb, safe[..., None]).round_().clamp_(-QMAX, QMAX).to(torch.int8)
+    return q.view(out, -1), scale
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, in_features: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ``[out, in_features]`` weight the codes and scales of :func:`quantize_rows` stand for."""
+    out, nb = scales.shape
+    w = codes.view(out, nb, -1).to(torch.float32).mul_(scales[..., None]).view(out, -1)
+    return w[:, :in_features].to(dtype)
+
+
+@torch.library.custom_op("fxpar_kernels::int8_linear", mutates_args=())
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                in_features: int) -> torch.Tensor:
+    return F.linear(x, dequantize_rows(codes, scales, in_features, x.dtype), bias)
+
+
+@int8_linear.register_fake
+def _fake(x, codes, scales, bias, in_features):
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+@torch.library.custom_op("fxpar_kernels::int8_linear_backward", mutates_args=())
+def int8_linear_backward(grad: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                         in_features: int) -> torch.Tensor:
+    """``dy @ W``: the input's gradient, ``W`` dequantized again."""
+    return grad @ dequantize_rows(codes, scales, in_features, grad.dtype)
+
+
+@int8_linear_backward.register_fake
+def _backward_fake(grad, codes, scales, in_features):
+    return grad.new_empty((*grad.shape[:-1], in_features))
+
+
+def _setup_context(ctx, inputs, output):
+    x, codes, scales, bias, in_features = inputs
+    ctx.save_for_backward(codes, scales)
+    ctx.in_features = in_features
+    ctx.bias_grad = bias is not None and bias.requires_grad
+
+
+def _backward(ctx, grad):
+    codes, scales = ctx.saved_tensors
+    dx = int8_linear_backward(grad, codes, scales, ctx.in_features) if ctx.needs_input_grad[0] else None
+    db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
+    return dx, None, None, db, None
+
+
+int8_linear.register_autograd(_backward, setup_context=_setup_context)

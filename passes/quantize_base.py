@@ -1,0 +1,91 @@
+"""QLoRA's base: each frozen weight a linear reads held as int8 blocks, dequantized by its layer when it runs
+(``Plan(base_dtype="int8")``).
+
+Reads: the stage's ``get_attr`` nodes and the tensors they name (after TP's cut and the weights' load: each
+rank quantizes the shard it holds, so blocks never straddle two ranks' shards). Writes: per frozen floating
+``[out, in]`` parameter whose every reader is ``aten.linear`` as its weight, two buffers beside it on the
+stage's module (``<name>_int8`` codes, ``<name>_int8_scales``, :func:`fxpar.ir.quant_ops.quantize_rows`) and
+each ``aten.linear`` replaced by ``fxpar_kernels.int8_linear`` over them; the parameter leaves the stage, and
+``ctx.program`` / the shared TP shards keep a meta stand-in (its shape, for later signatures), so the rank
+holds codes and scales only. ``ctx.shared["quantized_base"]`` maps each FQN to its codes and scales, reused
+by every signature and stage of the rank.
+
+A frozen weight read by anything else (an embedding tied to the LM head, a matmul on a view of it) stays
+in full precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxpar.ir import quant_ops
+from fxpar.ir.errors import PlanError
+from fxpar.ir.stage import StageSpec
+from fxpar.passes.pipeline_split import set_nested
+
+_LINEAR = torch.ops.aten.linear.default
+_INT8_LINEAR = torch.ops.fxpar_kernels.int8_linear.default
+
+
+def _attr(root: torch.nn.Module, fqn: str):
+    mod = root
+    for p in fqn.split("."):
+        mod = getattr(mod, p, None)
+        if mod is None:
+            return None
+    return mod
+
+
+def quantizable(node: torch.fx.Node, t) -> bool:
+    """Whether ``node`` (a ``get_attr`` of ``t``) is a frozen floating matrix read only as a linear's weight."""
+    return (isinstance(t, torch.nn.Parameter) and not t.requires_grad and t.is_floating_point() and t.dim() == 2
+            and not t.is_meta and len(node.users) > 0
+            and all(u.target == _LINEAR and len(u.args) >= 2 and u.args[1] is node and node not in
+                    (u.args[0], *u.args[2:]) for u in node.users))
+
+
+def quantize_base(stage: StageSpec, ctx) -> StageSpec:
+    gm = stage.gm
+    done = ctx.shared.setdefault("quantized_base", {})
+    tp_shards = ctx.shared.get("tp_shards", {})
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
+        fqn = node.target
+        t = _attr(gm, fqn)
+        if fqn not in done:
+            if not quantizable(node, t):
+                continue
+            done[fqn] = (*quant_ops.quantize_rows(t), t.shape[1])
+            stand_in = torch.nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=False)
+            ctx.program.set_tensor(fqn, stand_in)
+            if fqn in tp_shards:
+                tp_shards[fqn] = stand_in
+        codes, scales, in_features = done[fqn]
+        set_nested(gm, fqn + "_int8", codes)
+        set_nested(gm, fqn + "_int8_scales", scales)
+        *path, last = fqn.split(".")
+        delattr(_attr(gm, ".".join(path)) if path else gm, last)
+        with gm.graph.inserting_before(node):
+            q = gm.graph.get_attr(fqn + "_int8")
+            s = gm.graph.get_attr(fqn + "_int8_scales")
+        for user in list(node.users):
+            x, _, *bias = user.args
+            with gm.graph.inserting_before(user):
+                new = gm.graph.call_function(_INT8_LINEAR, (x, q, s, bias[0] if bias else None, in_features))
+            new.meta = dict(user.meta)
+            user.replace_all_uses_with(new)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return stage
+
+
+def check(program, ctx) -> None:
+    """``Plan(base_dtype="int8")`` needs frozen weight matrices (a PEFT model); zero=3 is refused by the Plan."""
+    plan = ctx.plan
+    frozen = [info.fqn for info in program.params.values()
+              if not program.tensor(info.fqn).requires_grad and program.tensor(info.fqn).dim() == 2]
+    if not frozen:
+        raise PlanError(f"Plan(base_dtype={plan.base_dtype!r}): the model has no frozen weight matrix to quantize "
+                        "(every parameter trains)",
+                        fix="wrap the model with PEFT (get_peft_model / fxpar train --lora r=N) or drop base_dtype")
