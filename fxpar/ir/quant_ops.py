@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "dequantize_rows", "int8_linear", "quantize_rows"]
+__all__ = ["BLOCK", "dequantize_rows", "held_weight", "int8_linear", "quantize_rows"]
 
 BLOCK = 64  # entries per scale along the input features: bitsandbytes' QLoRA block, 0.266x fp32 held
 QMAX = 127
@@ -47,6 +47,18 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, in_features: int,
     out, nb = scales.shape
     w = codes.view(out, nb, -1).to(torch.float32).mul_(scales[..., None]).view(out, -1)
     return w[:, :in_features].to(dtype)
+
+
+def held_weight(modules, fqn: str, like: torch.Tensor) -> torch.Tensor | None:
+    """The weight ``fqn`` (``like``: its meta stand-in) dequantized from the ``<fqn>_int8`` codes and scales
+    one of ``modules`` (a rank's stage modules) holds; None where none holds them."""
+    for root in modules:
+        try:
+            codes, scales = root.get_buffer(fqn + "_int8"), root.get_buffer(fqn + "_int8_scales")
+        except AttributeError:
+            continue
+        return dequantize_rows(codes, scales, like.shape[1], like.dtype)
+    return None
 
 
 @torch.library.custom_op("fxpar_kernels::int8_linear", mutates_args=())

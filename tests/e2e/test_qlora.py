@@ -57,7 +57,8 @@ def qlora_run(plan: str, steps: int = 2) -> dict:
     losses = [compiled.step(**batch).item() for _ in range(steps)]
     state = compiled.full_state_dict()
     adapters = {n: state[n] for n, p in lora_llama().named_parameters() if p.requires_grad}
-    return {"losses": losses, "adapters": adapters, **_held(compiled)}
+    held = _held(compiled)  # the state dict gives the quantized base as held: dequantized, whole
+    return {"losses": losses, "adapters": adapters, "base": {k: state[k] for k in held["weights"]}, **held}
 
 
 def _reference(shards: list[dict[str, torch.Tensor]], steps: int = 2):
@@ -79,12 +80,14 @@ def _reference(shards: list[dict[str, torch.Tensor]], steps: int = 2):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    return losses, {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}, \
+        {n: params[n].detach() for n in shards[0]}
 
 
 def _check(results):
-    losses, adapters = _reference([r["weights"] for r in results])
+    losses, adapters, base = _reference([r["weights"] for r in results])
     for r in results:
+        assert all(torch.equal(r["base"][k], v) for k, v in base.items())
         assert max(abs(a - b) for a, b in zip(r["losses"], losses)) <= TOL, (r["losses"], losses)
         assert max((r["adapters"][k] - v).abs().max().item() for k, v in adapters.items()) <= TOL
     return losses
