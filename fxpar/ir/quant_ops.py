@@ -31,8 +31,10 @@ INV_QMAX = 1.0 / QMAX  # as fxpar.runtime.kernels.quant: one rounding on every d
 
 
 def quantize_rows(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [out, in]`` -> (int8 codes ``[out, ceil(in / block) * block]``, fp32 scales ``[out, ceil(in / block)]``)."""
+    """``w [out, in]`` -> (int8 codes ``[out, ceil(in / block) * block]``, fp32 scales ``[out, ceil(in / block)]``);
+    a row narrower than ``block`` is one block of its width (no padding held)."""
     out, n = w.shape
+    block = min(block, n)
     pad = -n % block
     wb = F.pad(w.detach().to(torch.float32), (0, pad)).view(out, -1, block)
     scale = wb.abs().amax(dim=2) * INV_QMAX
