@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seq", type=int, default=32, help="tokens per sequence, as fxpar train's --seq")
     q.add_argument("--meta", action="store_true")
     q.add_argument("--json", action="store_true", help="print the plan's report as JSON")
+    q.add_argument("--lora", metavar="r=N", help="price LoRA adapters of rank N, as fxpar train --lora (the base "
+                   "frozen: its shard, the adapters, their AdamW state and the activations per rank)")
+    for flag, kind in (("--lora-alpha", float), ("--lora-targets", str), ("--lora-dropout", float)):
+        q.add_argument(flag, type=kind, help=f"with --lora: as fxpar train {flag}")
     q.add_argument("--auto", action="store_true", help="choose the plan: the best for --world ranks of --device, "
                    "the top alternatives, the hand-made baseline, why the others lost")
     q.add_argument("--world", type=int, default=None, help="with --auto: the number of ranks")

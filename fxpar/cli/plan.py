@@ -9,6 +9,7 @@ the same :func:`fxpar.autoplan`, so both choose the same plan for the same input
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -37,6 +38,11 @@ def cmd_plan(args) -> int:
     plan = fxpar.Plan.from_file(args.plan_file) if args.plan_file else fxpar.Plan.parse(args.plan)
     profile, why = device_profile(args.device)
     model = load_model(args.model, meta=args.meta)
+    if getattr(args, "lora", None):  # wrapped by PEFT as fxpar train --lora wraps it (fxpar.train.lora)
+        from fxpar.train import lora
+
+        lora.check_options(argparse.Namespace(**{**vars(args), "merge": False, "export": None}))
+        model = lora.wrap(model, args, args.model if os.path.isdir(args.model) else None)[0]
     kwargs = example_kwargs(model, args.batch, args.seq)
     with warnings.catch_warnings(record=True) as caught:  # fxpar's warnings about the plan, printed plainly
         warnings.simplefilter("always")

@@ -29,6 +29,10 @@ __all__ = ["AutoPlan", "baseline_plan", "describe", "search"]
 KEEP_M = 3  # microbatch counts per (dp, pp, tp) kept for the second pass
 
 
+# the memory parts' names where frozen weights are priced (a LoRA's base): what the trained ones are
+_LORA = {"frozen": "base (frozen)", "params": "adapters", "grads": "adapter grads", "optimizer": "adapter optimizer"}
+
+
 def estimate_text(e: Estimate) -> str:
     """One :class:`Estimate` in a few lines, as ``fxpar plan --plan`` prints it: step time by part, memory
     by part, bytes sent by axis, bubble and MFU (the numbers ``--auto`` ranks plans by)."""
@@ -36,7 +40,8 @@ def estimate_text(e: Estimate) -> str:
     return "\n".join([
         f"estimate ({describe(e.plan)}): {1e3 * e.step_time:.3f} ms/step{'' if e.exact else ' (closed form)'} = "
         + " + ".join(ms.values()) + " ms",
-        "  memory per rank: " + ", ".join(f"{k} {gb(v)}" for k, v in e.memory.items())
+        "  memory per rank: " + ", ".join(f"{_LORA.get(k, k) if e.memory.get('frozen') else k} {gb(v)}"
+                                          for k, v in e.memory.items())
         + ("" if e.fits else f" (does not fit: {e.why_not})"),
         "  sent per rank and step: " + ", ".join(f"{k} {gb(v)}" for k, v in e.comm_bytes.items()),
         f"  bubble {100 * e.bubble:.1f}%, MFU {100 * e.mfu:.1f}%, {e.tokens_per_s:.0f} tokens/s"])

@@ -1,0 +1,175 @@
+"""Memory per rank of LoRA next to full fine-tuning on the same plan (issue 28's memory acceptance).
+
+    python bench/lora_memory.py [--rank 16] [--only dp,tp] [--write docs/benchmarks.md]
+
+Model: ``bench/memory_vs_peers.py``'s 168M-parameter Llama (hidden 1024, 8 layers, vocabulary 32000, untied,
+fp32), saved with ``save_pretrained`` into a temporary directory; AdamW; global batch 4 x 128; 4 gloo ranks,
+each runner in fresh processes. LoRA: PEFT's ``LoraConfig(r=16)`` on q, k, v, o, gate, up and down
+(``fxpar.train.lora.wrap``, as ``fxpar train --lora r=16 --lora-targets ...``: a meta model wrapped, the adapters
+made by PEFT on the CPU, the frozen base read per rank from the directory). Full: the same model unwrapped,
+every weight trained (``bench/memory_vs_peers.py``'s fxpar runner). Plans ``dp=4,zero=3`` and ``tp=4``.
+
+Measured per rank, as ``bench/memory_vs_peers.py`` does: the allocator's live peak over one step after two
+(:class:`~fxpar.runtime.memtrack.AllocatorPeak`, the torch profiler's memory events: it changes no kernel's
+allocations) and what is held when that step starts. Predicted: the Estimate's peak (``price_plan`` on
+``model_costs`` of the same wrapped model) and its split (base shard, adapters, their gradients and AdamW
+state, activations, buffers). The bound: base/4 + adapters + their gradients and AdamW state + activations
+(the Estimate's) per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import platform
+import sys
+import tempfile
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import transformers
+from _docs import replace_section  # bench/_docs.py (the script's folder is on sys.path)
+from memory_vs_peers import BATCH, CONFIG, LIBRARIES, SEQ, _adamw, _batch
+
+TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+PLANS = {"dp": "dp=4,zero=3", "tp": "tp=4"}
+SECTION = "### LoRA r=16 against full fine-tuning, memory per rank (168M Llama, 4 ranks)"
+
+
+def _options(rank: int, path: str) -> SimpleNamespace:
+    return SimpleNamespace(lora=f"r={rank}", lora_alpha=None, lora_targets=TARGETS, lora_dropout=None, model=path)
+
+
+def _meta(lora: int | None, path: str):
+    """The meta-built Llama, wrapped by PEFT for ``lora`` (its adapters' first values, made on the CPU)."""
+    from fxpar.train.lora import wrap
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CONFIG)).train()
+    return (model, None) if lora is None else wrap(model, _options(lora, path), path)
+
+
+def measure(plan: str, lora: int | None, path: str) -> dict:
+    """One runner on this rank: compile, two steps, then two more under the allocator's watch."""
+    import fxpar
+    from fxpar.adapters import AdapterWeights
+    from fxpar.runtime.memtrack import AllocatorPeak
+
+    torch.set_num_threads(1)
+    model, adapters = _meta(lora, path)
+    weights = path if lora is None else AdapterWeights(model, path, adapters)
+    compiled = fxpar.compile(model, plan, example_kwargs=_batch(), optimizer=_adamw, weights=weights, timeout=900)
+    batch = _batch()
+
+    def step():
+        loss = compiled.step(**batch).item()
+        compiled.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    losses = [step() for _ in range(2)]
+    gc.collect()
+    dist.barrier()
+    with AllocatorPeak() as mem:
+        step()
+        mem.mark()
+        step()
+    dist.barrier()
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"peak": mem.peak, "start": mem.start, "losses": losses, "state": compiled.memory()["predicted"],
+            "trained": trained, "total": sum(p.numel() for p in model.parameters())}
+
+
+def predicted(plan: str, lora: int | None, path: str) -> dict:
+    """The Estimate's memory on the fullest rank (default CPU profile) for the same model."""
+    from fxpar.cost.profiles import load_profile
+    from fxpar.ir.plan import Plan
+    from fxpar.planner.model_costs import model_costs
+    from fxpar.planner.price import price_plan
+
+    model, _ = _meta(lora, path)
+    p = Plan.parse(plan)
+    costs = model_costs(model, SEQ, tp_degrees=(p.tp,), sequence_parallel=(False,))
+    return price_plan(costs, p, load_profile(None), global_batch=BATCH).memory
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.0f}"
+
+
+def markdown(rows: list[dict], rank: int, load: str) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [SECTION, "",
+             f"{now}, {platform.machine()} {os.cpu_count()} cores (shared, load average {load}), torch "
+             f"{torch.__version__}, transformers {transformers.__version__}; `python bench/lora_memory.py`. "
+             f"168M-parameter Llama (hidden 1024, 8 layers, vocabulary 32000, fp32), AdamW, global batch {BATCH} x "
+             f"{SEQ}, 4 gloo ranks, each runner in fresh processes. LoRA r={rank} (PEFT) on "
+             f"{TARGETS.replace(',', ', ')}; "
+             "full: every weight trained. MiB, the largest rank. Measured: the allocator's live peak over one step "
+             "(`AllocatorPeak`, as `bench/memory_vs_peers.py`) and what is held as it starts. Predicted: the "
+             "Estimate's peak (`price_plan`), and its split: base (frozen weights' shard), trained weights, their "
+             "gradients and AdamW state, activations, buffers (ZeRO-3's gathered bucket). Bound: base/4 + adapters + "
+             "their gradients and AdamW state + the Estimate's activations, per rank.", "",
+             "| plan | run | trained params | measured peak | held at step start | predicted peak | pred./meas. "
+             "| base | trained | grads + AdamW | activations | buffers | bound | full / LoRA (measured) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    full = {r["plan"]: r for r in rows if r["lora"] is None and "error" not in r}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| `{r['plan']}` | {r['run']} | failed: {r['error']} |" + " |" * 11)
+            continue
+        e, f = r["pred"], full.get(r["plan"])
+        bound = r["base"] / 4 + e["params"] + e["grads"] + e["optimizer"] + e["activations"] if r["lora"] else None
+        ratio = f"{f['peak'] / r['peak']:.2f}x" if r["lora"] and f else "-"
+        lines.append(f"| `{r['plan']}` | {r['run']} | {r['trained'] / 1e6:.2f}M | {_mb(r['peak'])} | {_mb(r['start'])} "
+                     f"| {_mb(e['total'])} | {e['total'] / r['peak']:.2f} | {_mb(e['frozen'])} | {_mb(e['params'])} "
+                     f"| {_mb(e['grads'] + e['optimizer'])} | {_mb(e['activations'])} | {_mb(e['buffers'])} "
+                     f"| {_mb(bound) if bound else '-'} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--only", default="dp,tp", help="which plans: dp (dp=4,zero=3), tp (tp=4)")
+    ap.add_argument("--write", default=None, help="markdown file whose section this run replaces")
+    args = ap.parse_args()
+    from fxpar.testing.multiproc import RankFailure, RankPool, set_preload
+
+    set_preload(LIBRARIES)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CONFIG)).save_pretrained(d)
+        gc.collect()
+        for key in args.only.split(","):
+            plan = PLANS[key]
+            for lora in (None, args.rank):
+                run = "full" if lora is None else f"LoRA r={lora}"
+                row = {"plan": plan, "run": run, "lora": lora}
+                with RankPool(4, timeout=1200, echo_output=False) as pool:
+                    try:
+                        ranks = pool.run(measure, plan, lora, d, timeout=1200)
+                    except RankFailure as e:
+                        rows.append({**row, "error": str(e).splitlines()[0][:200]})
+                        print(f"{plan} {run} FAILED {rows[-1]['error']}", flush=True)
+                        continue
+                row.update(peak=max(r["peak"] for r in ranks), start=max(r["start"] for r in ranks),
+                           trained=ranks[0]["trained"], base=4 * (ranks[0]["total"] - ranks[0]["trained"]),
+                           per_rank=[r["peak"] for r in ranks], state=ranks[0]["state"], losses=ranks[0]["losses"])
+                row["pred"] = predicted(plan, lora, d)
+                rows.append(row)
+                print(f"{plan} {run}: peak per rank {[_mb(x) for x in row['per_rank']]} MiB, held at start "
+                      f"{_mb(row['start'])}, predicted {_mb(row['pred']['total'])} ({row['pred']}), compiled.memory "
+                      f"{row['state']}, losses {[round(x, 4) for x in row['losses']]}", flush=True)
+    text = markdown(rows, args.rank, load)
+    print(text)
+    if args.write:
+        replace_section(args.write, SECTION, text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
