@@ -6,9 +6,9 @@ rank quantizes the shard it holds, so blocks never straddle two ranks' shards). 
 ``[out, in]`` parameter whose every reader is ``aten.linear`` as its weight, two buffers beside it on the
 stage's module (``<name>_int8`` codes, ``<name>_int8_scales``, :func:`fxpar.ir.quant_ops.quantize_rows`) and
 each ``aten.linear`` replaced by ``fxpar_kernels.int8_linear`` over them; the parameter leaves the stage, and
-``ctx.program`` / the shared TP shards keep a meta stand-in (its shape, for later signatures), so the rank
-holds codes and scales only. ``ctx.shared["quantized_base"]`` maps each FQN to its codes and scales, reused
-by every signature and stage of the rank.
+``ctx.program``, the shared TP shards and loaded weights keep a meta stand-in (its shape, for later
+signatures), so the rank holds codes and scales only. ``ctx.shared["quantized_base"]`` maps each FQN to its
+codes and scales, reused by every signature and stage of the rank.
 
 A frozen weight read by anything else (an embedding tied to the LM head, a matmul on a view of it) stays
 in full precision.
@@ -47,7 +47,7 @@ def quantizable(node: torch.fx.Node, t) -> bool:
 def quantize_base(stage: StageSpec, ctx) -> StageSpec:
     gm = stage.gm
     done = ctx.shared.setdefault("quantized_base", {})
-    tp_shards = ctx.shared.get("tp_shards", {})
+    tp_shards, loaded = ctx.shared.get("tp_shards", {}), ctx.shared.get("loaded", {})
     for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
         fqn = node.target
         t = _attr(gm, fqn)
@@ -57,8 +57,9 @@ def quantize_base(stage: StageSpec, ctx) -> StageSpec:
             done[fqn] = (*quant_ops.quantize_rows(t), t.shape[1])
             stand_in = torch.nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=False)
             ctx.program.set_tensor(fqn, stand_in)
-            if fqn in tp_shards:
-                tp_shards[fqn] = stand_in
+            for held in (tp_shards, loaded):  # no reference to the full-precision tensor is left
+                if fqn in held:
+                    held[fqn] = stand_in
         codes, scales, in_features = done[fqn]
         set_nested(gm, fqn + "_int8", codes)
         set_nested(gm, fqn + "_int8_scales", scales)
