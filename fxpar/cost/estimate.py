@@ -132,8 +132,7 @@ class Pricer:
         got = ((fwd) / share, (bwd + extra) / share, bwd / 2 / share, tf, tb, part.params,
                act[0] * b, (act[1] + part.grad_bytes) * b, part.out_bytes * b, part.kept_out * b,
                *ep_comm(p, part, ep, b, ep_inter, again, share=share),
-               *cp_comm(p, part, cp, b, cp_inter, again, name == "post", share=share, mode=cp_mode),
-               min(part.frozen, part.params))
+               *cp_comm(p, part, cp, b, cp_inter, again, name == "post", share=share, mode=cp_mode), part.frozen)
         self._kinds[key] = got
         return got
 
@@ -276,10 +275,9 @@ class Pricer:
                  "bubble": idle, "optimizer": opt_time, "runtime": runtime}
         ep = {**ep_part_of(plan, parts, st, mine[r0], m), **cp_part_of(plan, parts, st, mine[r0], m)}  # apart from TP
         memory = {**worst[1], "activations": int(worst[2]), "buffers": int(worst[3]), "total": int(worst[0])}
-        n0 = sum(trained[s] for s in mine[r0])
+        n0, f0 = (sum(x[s] for s in mine[r0]) for x in (trained, st["frozen"]))
         tp_bytes = m * sum(st["tpsent"][x] for x in mine[r0])
-        inside, across = dp_sent(dplan, n0, sum(st["eparams"][s] for s in mine[r0]), m, gbytes, groups, experts,
-                                 sum(st["frozen"][s] for s in mine[r0]))
+        inside, across = dp_sent(dplan, n0, sum(st["eparams"][s] for s in mine[r0]), m, gbytes, groups, experts, f0)
         dp_inter = inside * groups.shard_inter + across * groups.replicas_inter  # of it, over inter-node links
         pp_bytes = max(2 * m * sum(outs[s] for s in st if s < n_stages - 1) for st in mine) if pp > 1 else 0
         tokens = self.batch * c.seq

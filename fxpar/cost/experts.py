@@ -59,7 +59,8 @@ def ep_part(part, ex: Experts, ep: int):
     nodes = [_buffer_row(n, ep, i in mms) if i in rows else n for i, n in enumerate(part.nodes)]
     extra = (ep - 1) * ex.saved
     act = {p: (k + extra, t) if p != "layer" else (k, t + extra) for p, (k, t) in part.act.items()}
-    return replace(part, nodes=nodes, params=part.params - ex.params + ex.params // ep, act=act, _times={})
+    params = part.params - ex.params + ex.params // ep
+    return replace(part, nodes=nodes, params=params, frozen=min(part.frozen, params), act=act, _times={})
 
 
 def _buffer_row(n: tuple, ep: int, mm: bool) -> tuple:
