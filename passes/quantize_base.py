@@ -1,17 +1,17 @@
-"""QLoRA's base: each frozen weight a linear reads held as int8 blocks, dequantized by its layer when it runs
+"""QLoRA's base: each frozen weight a linear or embedding reads held as int8 blocks, dequantized when it runs
 (``Plan(base_dtype="int8")``).
 
 Reads: the stage's ``get_attr`` nodes and the tensors they name (after TP's cut and the weights' load: each
 rank quantizes the shard it holds, so blocks never straddle two ranks' shards). Writes: per frozen floating
-``[out, in]`` parameter whose every reader is ``aten.linear`` as its weight, two buffers beside it on the
-stage's module (``<name>_int8`` codes, ``<name>_int8_scales``, :func:`fxpar.ir.quant_ops.quantize_rows`) and
-each ``aten.linear`` replaced by ``fxpar_kernels.int8_linear`` over them; the parameter leaves the stage, and
+``[out, in]`` parameter whose every reader is ``aten.linear`` as its weight or ``aten.embedding`` as its table
+(an input embedding, tied to the LM head or not), two buffers beside it on the stage's module (``<name>_int8``
+codes, ``<name>_int8_scales``, :func:`fxpar.ir.quant_ops.quantize_rows`) and each reader replaced by
+``fxpar_kernels.int8_linear`` / ``int8_embedding`` over them; the parameter leaves the stage, and
 ``ctx.program``, the shared TP shards and loaded weights keep a meta stand-in (its shape, for later
 signatures), so the rank holds codes and scales only. ``ctx.shared["quantized_base"]`` maps each FQN to its
 codes and scales, reused by every signature and stage of the rank.
 
-A frozen weight read by anything else (an embedding tied to the LM head, a matmul on a view of it) stays
-in full precision.
+A frozen weight read by anything else (DoRA's weight norm, a matmul on a view of it) stays in full precision.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from fxpar.passes.pipeline_split import set_nested
 
 _LINEAR = torch.ops.aten.linear.default
 _INT8_LINEAR = torch.ops.fxpar_kernels.int8_linear.default
+_EMBEDDING = torch.ops.aten.embedding.default
+_INT8_EMBEDDING = torch.ops.fxpar_kernels.int8_embedding.default
 
 
 def _attr(root: torch.nn.Module, fqn: str):
@@ -40,8 +42,10 @@ def quantizable(node: torch.fx.Node, t) -> bool:
     """Whether ``node`` (a ``get_attr`` of ``t``) is a frozen floating matrix read only as a linear's weight."""
     return (isinstance(t, torch.nn.Parameter) and not t.requires_grad and t.is_floating_point() and t.dim() == 2
             and not t.is_meta and len(node.users) > 0
-            and all(u.target == _LINEAR and len(u.args) >= 2 and u.args[1] is node and node not in
-                    (u.args[0], *u.args[2:]) for u in node.users))
+            and all((u.target == _LINEAR and len(u.args) >= 2 and u.args[1] is node
+                     and node not in (u.args[0], *u.args[2:]))
+                    or (u.target == _EMBEDDING and u.args[0] is node and node not in u.args[1:])
+                    for u in node.users))
 
 
 def quantize_base(stage: StageSpec, ctx) -> StageSpec:
@@ -69,9 +73,12 @@ def quantize_base(stage: StageSpec, ctx) -> StageSpec:
             q = gm.graph.get_attr(fqn + "_int8")
             s = gm.graph.get_attr(fqn + "_int8_scales")
         for user in list(node.users):
-            x, _, *bias = user.args
             with gm.graph.inserting_before(user):
-                new = gm.graph.call_function(_INT8_LINEAR, (x, q, s, bias[0] if bias else None, in_features))
+                if user.target == _EMBEDDING:  # padding_idx and the rest only shape a gradient the table has not
+                    new = gm.graph.call_function(_INT8_EMBEDDING, (q, s, user.args[1], in_features))
+                else:
+                    x, _, *bias = user.args
+                    new = gm.graph.call_function(_INT8_LINEAR, (x, q, s, bias[0] if bias else None, in_features))
             new.meta = dict(user.meta)
             user.replace_all_uses_with(new)
             gm.graph.erase_node(user)

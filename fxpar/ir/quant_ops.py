@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "dequantize_rows", "held_weight", "int8_linear", "quantize_rows"]
+__all__ = ["BLOCK", "dequantize_rows", "held_weight", "int8_embedding", "int8_linear", "quantize_rows"]
 
 BLOCK = 64  # entries per scale along the input features: bitsandbytes' QLoRA block, 0.266x fp32 held
 QMAX = 127
@@ -101,3 +101,15 @@ def _backward(ctx, grad):
 
 
 int8_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("fxpar_kernels::int8_embedding", mutates_args=())
+def int8_embedding(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``embedding(W, ids)`` of a frozen table held as :func:`quantize_rows` blocks: only the rows read are
+    dequantized. No gradient (the table is frozen and ids are integers)."""
+    return dequantize_rows(codes[ids.reshape(-1)], scales[ids.reshape(-1)], in_features).view(*ids.shape, -1)
+
+
+@int8_embedding.register_fake
+def _embedding_fake(codes, scales, ids, in_features):
+    return scales.new_empty((*ids.shape, in_features))

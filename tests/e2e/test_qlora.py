@@ -36,7 +36,8 @@ def _batch():
 
 
 def _held(compiled) -> dict[str, torch.Tensor]:
-    """Each quantized weight this rank holds (by FQN), dequantized; and the bytes of codes + scales."""
+    """Each quantized weight this rank holds (by FQN), dequantized; the bytes of codes + scales, and of every
+    frozen tensor the rank holds (codes, scales, norms, buffers)."""
     out, nbytes = {}, 0
     for s in compiled.pipeline.stages_of(compiled.pp_rank):
         bufs = dict(s.gm.named_buffers())
@@ -46,7 +47,9 @@ def _held(compiled) -> dict[str, torch.Tensor]:
                 fqn = name[:-len("_int8")]
                 out[fqn] = quant_ops.dequantize_rows(codes, scales, compiled.program.tensor(fqn).shape[1])
                 nbytes += codes.numel() + scales.numel() * 4
-    return {"weights": out, "bytes": nbytes}
+    frozen = {id(t): t for s in compiled.pipeline.stages_of(compiled.pp_rank)
+              for t in [*s.gm.parameters(), *s.gm.buffers()] if not t.requires_grad and not t.is_meta}
+    return {"weights": out, "bytes": nbytes, "frozen": sum(t.numel() * t.element_size() for t in frozen.values())}
 
 
 def qlora_run(plan: str, steps: int = 2) -> dict:
@@ -96,8 +99,10 @@ def _check(results):
 def test_qlora_int8_trains_as_peft_on_its_dequantized_base_and_holds_a_quarter():
     r = qlora_run("dp=1")
     fp32 = sum(w.numel() * 4 for w in r["weights"].values())  # 7 linears per layer and the LM head
-    assert len(r["weights"]) == 2 * 7 + 1 and r["bytes"] <= 0.27 * fp32, (len(r["weights"]), r["bytes"], fp32)
+    assert len(r["weights"]) == 2 * 7 + 2 and r["bytes"] <= 0.27 * fp32, (len(r["weights"]), r["bytes"], fp32)
     plain = lora_llama()  # the dequantized base is the base within the int8 bound, not the base itself
+    base = sum(p.numel() * 4 for p in plain.parameters() if not p.requires_grad)
+    assert r["frozen"] <= 0.27 * base, (r["frozen"], base)  # the whole base held: norms and buffers too
     err = max((w - plain.get_parameter(k)).abs().max().item() for k, w in r["weights"].items())
     assert 0 < err <= max(plain.get_parameter(k).abs().max().item() for k in r["weights"]) / 254 * 1.01
     _check([r])
