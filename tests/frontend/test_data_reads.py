@@ -59,8 +59,14 @@ def test_distribution_built_in_forward_traces():
     torch.manual_seed(0)
     model = EntropyGate()
     x = torch.randn(3, 4)
-    program = fxpar.trace(model, (x,))
-    assert torch.distributions.Distribution._validate_args  # eager still checks after the capture
+    dist_cls = torch.distributions.Distribution
+    saved = dist_cls._validate_args  # the process's default (another module may have turned it off)
+    dist_cls.set_default_validate_args(True)
+    try:
+        program = fxpar.trace(model, (x,))
+        assert dist_cls._validate_args  # eager still checks after the capture
+    finally:
+        dist_cls.set_default_validate_args(saved)
     for batch in (x, 5 * torch.randn(6, 4)):
         model.zero_grad(set_to_none=True)
         want = model(batch)
