@@ -144,6 +144,7 @@ def test_train_under_torchrun_saves_and_resumes_under_another_plan(tmp_path):
 
 
 @pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
+@pytest.mark.serial  # a wall-time bound
 def test_plan_auto_on_the_70b_config_for_1024_h100s():
     """`fxpar plan <70B config> --meta --auto --world 1024`: the chosen plan (degrees multiplying to 1024), its
     MFU, the top 5 alternatives and the hand-made baseline; the whole process's wall time is printed (the

@@ -64,6 +64,7 @@ def llama_costs(layers=80, h=8192, ffn=28672, heads=64, kv=8, vocab=128256, seq=
                       {t: None for t in tps}, fpt, 2)
 
 
+@pytest.mark.serial  # a CPU-time bound
 def test_llama70b_on_1024_ranks_in_seconds():
     costs = llama_costs()
     t, cpu = time.perf_counter(), time.process_time()

@@ -16,7 +16,7 @@ from fxpar.cli import main
 from fxpar.cost.profiles import KINDS, load_profile
 from fxpar.testing import multiproc
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # timings: measured alone
 pool2 = multiproc.rank_pool(2, shared=True)
 MB = 2**20
 
