@@ -94,8 +94,8 @@ def format_memory(mem: dict) -> str:
     lines = []
     for kind, label in (("predicted", "predicted"), ("measured", "measured after the last step")):
         if mem.get(kind):
-            lines.append(f"memory per rank, {label}: "
-                         + ", ".join(f"{k} {human(v, 'B')}" for k, v in mem[kind].items()))
+            lines.append(f"memory per rank, {label}: "  # no frozen weights: no "frozen 0B"
+                         + ", ".join(f"{k} {human(v, 'B')}" for k, v in mem[kind].items() if v or k != "frozen"))
     return "\n".join(lines)
 
 
