@@ -39,7 +39,8 @@ def _attr(root: torch.nn.Module, fqn: str):
 
 
 def quantizable(node: torch.fx.Node, t) -> bool:
-    """Whether ``node`` (a ``get_attr`` of ``t``) is a frozen floating matrix read only as a linear's weight."""
+    """Whether ``node`` (a ``get_attr`` of ``t``) is a frozen floating matrix read only as a linear's weight or
+    an embedding's table."""
     return (isinstance(t, torch.nn.Parameter) and not t.requires_grad and t.is_floating_point() and t.dim() == 2
             and not t.is_meta and len(node.users) > 0
             and all((u.target == _LINEAR and len(u.args) >= 2 and u.args[1] is node
