@@ -29,10 +29,9 @@ import tempfile
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 import transformers
 from _docs import replace_section  # bench/_docs.py (the script's folder is on sys.path)
-from memory_vs_peers import BATCH, CONFIG, LIBRARIES, SEQ, _adamw, _batch
+from memory_vs_peers import BATCH, CONFIG, LIBRARIES, SEQ, _adamw, _batch, steady_peak
 
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 PLANS = {"dp": "dp=4,zero=3", "tp": "tp=4"}
@@ -56,7 +55,6 @@ def measure(plan: str, lora: int | None, path: str) -> dict:
     """One runner on this rank: compile, two steps, then two more under the allocator's watch."""
     import fxpar
     from fxpar.adapters import AdapterWeights
-    from fxpar.runtime.memtrack import AllocatorPeak
 
     torch.set_num_threads(1)
     model, adapters = _meta(lora, path)
@@ -70,13 +68,7 @@ def measure(plan: str, lora: int | None, path: str) -> dict:
         return loss
 
     losses = [step() for _ in range(2)]
-    gc.collect()
-    dist.barrier()
-    with AllocatorPeak() as mem:
-        step()
-        mem.mark()
-        step()
-    dist.barrier()
+    mem = steady_peak(step)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"peak": mem.peak, "start": mem.start, "losses": losses, "state": compiled.memory()["predicted"],
             "trained": trained, "total": sum(p.numel() for p in model.parameters())}

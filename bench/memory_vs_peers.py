@@ -214,6 +214,15 @@ def measure(name: str, plan: str | None, path: str, steps: int) -> dict:
     dist.barrier()
     out.update(step_peak=_status("VmHWM") - base, step_held=_status("VmRSS") - base, step_live=_live(),
                losses=losses)
+    out["live_peak"] = steady_peak(step).peak
+    return out
+
+
+def steady_peak(step):
+    """The allocator's live peak over ``step`` run twice, the first a warm-up (``AllocatorPeak.mark``), every
+    rank in step: the region both this bench and ``bench/lora_memory.py`` measure."""
+    from fxpar.runtime.memtrack import AllocatorPeak
+
     gc.collect()
     dist.barrier()
     with AllocatorPeak() as mem:
@@ -221,8 +230,7 @@ def measure(name: str, plan: str | None, path: str, steps: int) -> dict:
         mem.mark()
         step()
     dist.barrier()
-    out["live_peak"] = mem.peak
-    return out
+    return mem
 
 
 def predicted(plans: list[str]) -> dict[str, int]:
