@@ -100,30 +100,27 @@ def test_every_wire_call_belongs_to_a_pattern():
     assert calling == set(keyed)
 
 
+def _lint(tmp_path, code: str) -> list[str]:
+    """What the lint finds in ``code`` written as a module of ``tmp_path`` (the calls, without their places)."""
+    global ROOT
+    (tmp_path / "m.py").write_text(code)
+    saved, ROOT = ROOT, tmp_path
+    try:
+        return [c.split(" ", 1)[1] for c in _calls(tmp_path / "m.py")]
+    finally:
+        ROOT = saved
+
+
 def test_the_lint_sees_a_collective_taken_without_a_call(tmp_path):
     code = ("import torch.distributed as dist\nf = dist.all_gather_into_tensor\n"
             "g = getattr(dist, 'reduce_scatter_single', None)\nop = dist.ReduceOp.SUM\ng(x, y)\n")
-    (tmp_path / "m.py").write_text(code)
-    global ROOT
-    saved, ROOT = ROOT, tmp_path
-    try:
-        assert [c.split(" ", 1)[1] for c in _calls(tmp_path / "m.py")] == [
-            "g", "dist.all_gather_into_tensor", "getattr(dist, 'reduce_scatter_single', None)"]
-    finally:
-        ROOT = saved
+    assert _lint(tmp_path, code) == ["g", "dist.all_gather_into_tensor", "getattr(dist, 'reduce_scatter_single', None)"]
 
 
 def test_the_lint_sees_each_way_of_calling(tmp_path):
     code = ("import torch.distributed as dist\nimport torch\nfrom torch.distributed import all_reduce as ar\n"
             "dist.all_reduce(x)\ntorch.distributed.barrier()\nar(x)\ndist.get_rank()\n")
-    (tmp_path / "m.py").write_text(code)
-    global ROOT
-    saved, ROOT = ROOT, tmp_path
-    try:
-        assert [c.split(" ", 1)[1] for c in _calls(tmp_path / "m.py")] == [
-            "dist.all_reduce", "torch.distributed.barrier", "ar"]
-    finally:
-        ROOT = saved
+    assert _lint(tmp_path, code) == ["dist.all_reduce", "torch.distributed.barrier", "ar"]
 
 
 def test_a_failing_call_is_a_collective_error(monkeypatch):
