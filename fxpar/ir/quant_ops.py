@@ -23,11 +23,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "dequantize_rows", "held_weight", "int8_embedding", "int8_linear", "quantize_rows"]
+__all__ = ["BLOCK", "INV_QMAX", "QMAX", "absmax_int8", "dequantize_rows", "held_weight", "int8_embedding",
+           "int8_linear", "quantize_rows"]
 
 BLOCK = 64  # entries per scale along the input features: bitsandbytes' QLoRA block, 0.266x fp32 held
-QMAX = 127
-INV_QMAX = 1.0 / QMAX  # as fxpar.runtime.kernels.quant: one rounding on every device
+QMAX = 127  # symmetric int8 codes in [-127, 127]
+# A block's scale is its largest magnitude times the fp32 nearest 1/127, on every path: torch on CUDA divides
+# by a Python scalar as a multiplication by its reciprocal while on the CPU it divides, so "amax / 127"
+# gave scales an ulp apart and codes one apart at near-ties between the GPU's Triton and torch paths
+# (measured on an H100, docs/benchmarks.md "GPU checks"). A multiplication is one rounding everywhere.
+INV_QMAX = 1.0 / QMAX
+
+
+def absmax_int8(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks along the last dim of ``xb`` (fp32) -> (int8 codes, fp32 scale per block): the one scheme of
+    fxpar's int8 blocks (this module's weights, :mod:`fxpar.runtime.kernels.quant`'s wire)."""
+    scale = xb.abs().amax(dim=-1) * INV_QMAX  # see INV_QMAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.div(xb, safe[..., None]).round_().clamp_(-QMAX, QMAX).to(torch.int8)  # in place: one buffer
+    return q, scale
 
 
 def quantize_rows(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,10 +50,7 @@ def quantize_rows(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
     out, n = w.shape
     block = min(block, n)
     pad = -n % block
-    wb = F.pad(w.detach().to(torch.float32), (0, pad)).view(out, -1, block)
-    scale = wb.abs().amax(dim=2) * INV_QMAX
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.div(wb, safe[..., None]).round_().clamp_(-QMAX, QMAX).to(torch.int8)
+    q, scale = absmax_int8(F.pad(w.detach().to(torch.float32), (0, pad)).view(out, -1, block))
     return q.view(out, -1), scale
 
 

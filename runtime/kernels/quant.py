@@ -42,6 +42,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fxpar.ir.quant_ops import INV_QMAX, absmax_int8
 from fxpar.ir.wire import int8_wire_bytes
 from fxpar.runtime.kernels import buckets, use_triton
 from fxpar.runtime.kernels.buckets import shard_segments
@@ -51,12 +52,6 @@ triton = buckets.triton
 
 __all__ = ["quantize_shard", "dequantize_copy_out", "dequantize", "quantize_dequantize", "wire_bytes"]
 
-QMAX = 127  # symmetric int8 codes in [-127, 127]
-# A block's scale is its largest magnitude times the fp32 nearest 1/127, on both paths: torch on CUDA divides
-# by a Python scalar as a multiplication by its reciprocal while on the CPU it divides, so "amax / 127"
-# gave scales an ulp apart and codes one apart at near-ties between the GPU's Triton and torch paths
-# (measured on an H100, docs/benchmarks.md "GPU checks"). A multiplication is one rounding everywhere.
-INV_QMAX = 1.0 / QMAX
 
 
 def _check_block(block: int) -> None:
@@ -80,9 +75,7 @@ def _quantize_torch(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     n = x.numel()
     pad = _blocks(n, block) * block - n
     xb = (F.pad(x, (0, pad)) if pad else x).view(-1, block)
-    scale = xb.abs().amax(dim=1) * INV_QMAX  # see INV_QMAX
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.div(xb, safe[:, None]).round_().clamp_(-QMAX, QMAX).to(torch.int8)  # in place: one buffer
+    q, scale = absmax_int8(xb)
     return q.view(-1)[:n], scale
 
 
@@ -107,8 +100,8 @@ if triton is not None:
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * QBLOCK + tl.arange(0, QBLOCK)
         x = gather_segments(ptrs, dst, lens, tl.load(firsts + pid), tl.load(lasts + pid), offs, elem_ptr, QBLOCK)
-        # the scale as the torch path makes it (see INV_QMAX); an IEEE division after it, as torch's (Triton's
-        # `/` on a GPU is an approximate one)
+        # the scale as the torch path makes it (see fxpar.ir.quant_ops.INV_QMAX); an IEEE division after it, as
+        # torch's (Triton's `/` on a GPU is an approximate one)
         scale = tl.max(tl.abs(x), axis=0) * INV_SCALE
         y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0))
         # round half to even, as torch.round does (exact in fp32: |y| <= 127)
