@@ -13,10 +13,11 @@ What is measured and how:
 * each rank's throughput when ``k`` ranks compute at once on the host (``compute_share``; CPU only: ranks
   share its cores), and alpha/beta of each collective per group size by a least-squares fit of
   ``alpha + beta * bytes`` (relative error) over message sizes, a group of ``n`` ranks running while the
-  others wait; also the all-reduce with every rank busy in its own group at once (``concurrent``, for the
-  record). Payload bytes follow :mod:`fxpar.cost.comm`: the full tensor (the all-gather's output, the
-  reduce-scatter's input); all-to-all and broadcast: one rank's tensor; send: the bytes sent. Gloo's
-  reduce-scatter is what fxpar's kernel does there: an all-reduce of the full tensor, then a slice.
+  others wait (on gloo each timed call after 5 ms of matmuls, as a step reaches it); also the all-reduce
+  with every rank busy in its own group at once (``concurrent``, for the record). Payload bytes follow
+  :mod:`fxpar.cost.comm`: the full tensor (the all-gather's output, the reduce-scatter's input); all-to-all
+  and broadcast: one rank's tensor; send: the bytes sent. Gloo's reduce-scatter is what fxpar's kernel does
+  there: an all-reduce of the full tensor, then a slice.
 
 Without a process group, :func:`calibrate` forks ``world`` gloo ranks (``torch.multiprocessing``, a file
 store in a temporary directory) and waits for them with a deadline; under torchrun it uses the group there is.
@@ -56,6 +57,7 @@ __all__ = ["calibrate", "measure_elementwise", "measure_matmul", "measure_memory
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20, 16 << 20)
 QUICK_SIZES = (4 << 10, 256 << 10, 4 << 20)
+AFTER_COMPUTE = 0.005  # seconds of matmuls before each timed gloo collective (a layer's work here; see _busy)
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -118,21 +120,25 @@ def measure_op_overhead(device="cpu", ops: int = 200, repeats: int = 7) -> dict:
 
 # ---- on every rank: compute share and collectives ------------------------------------------------------
 
-def _time_collective(op, pg, device, budget: float) -> float:
+def _time_collective(op, pg, device, budget: float, after: float = 0.0) -> float:
     """Seconds per call of ``op`` on the group ``pg`` (every member calls): a warm-up, the repeat count
     agreed on (the slowest member's), a barrier, each call timed; the slowest member's median (a median,
-    so that a call another process on the host delayed does not count)."""
+    so that a call another process on the host delayed does not count). ``after``: seconds of matmuls each
+    member runs before each timed call, as a training step reaches its collectives (see :func:`_busy`)."""
     op()
     sync(device)
     t = time.perf_counter()
     op()
     sync(device)
     probe = time.perf_counter() - t
-    reps = torch.tensor([max(3, min(40, int(budget / max(probe, 1e-6))))], device=device)
+    reps = torch.tensor([max(7 if after else 3, min(40, int(budget / max(probe + after, 1e-6))))], device=device)
     dist.all_reduce(reps, op=dist.ReduceOp.MIN, group=pg)
     dist.barrier(group=pg)
+    busy = _busy(after, device) if after else None
     times = []
     for _ in range(int(reps.item())):
+        if busy:
+            busy()
         t = time.perf_counter()
         op()
         sync(device)
@@ -140,6 +146,21 @@ def _time_collective(op, pg, device, budget: float) -> float:
     el = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(el, op=dist.ReduceOp.MAX, group=pg)
     return el.item()
+
+
+def _busy(seconds: float, device):
+    """Matmuls for about ``seconds`` on this rank. Gloo ranks reach a collective of a training step after
+    compute, not right after the last collective, and on a host whose cores every rank keeps busy that
+    costs: on this project's 2-core CI host a 1 MiB all-reduce of 2 ranks took 0.8 ms back to back and
+    2.7-3.5 ms after 5-20 ms of matmuls (4 KiB: 0.5 and 2.7-3.6 ms), which is what a tensor-parallel step's
+    all-reduces took in ``torch.profiler``. Timed back to back, the table priced them 2-3x too fast."""
+    a = torch.randn(128, 128, device=device)
+
+    def run():
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            a @ a
+    return run
 
 
 def _ping_pong(nbytes: int, device):
@@ -184,15 +205,19 @@ def _compute_share(counts, seconds: float, device, windows: int = 3) -> dict:
 
 
 def rank_measurements(groups=(2, 4, 8), sizes=SIZES, kinds=KINDS, *, budget: float = 0.08,
-                      share_counts=(1, 2, 4, 8), share_seconds: float = 0.4, concurrent: bool = True) -> dict:
+                      share_counts=(1, 2, 4, 8), share_seconds: float = 0.4, concurrent: bool = True,
+                      after: float | None = None) -> dict:
     """What every rank of the current process group measures together (call on every rank): compute share
     (CPU), then per group size ``n`` (ranks 0..n-1, the others waiting) and kind the seconds per message
     size. Returns {"compute_share": {k: factor}, "times": {kind: {n: [[bytes, s], ...]}}, "concurrent":
-    {n: [[bytes, s], ...]}} (rank 0's copy holds the group's slowest times)."""
+    {n: [[bytes, s], ...]}, "after_compute_s": s} (rank 0's copy holds the group's slowest times). ``after``:
+    seconds of compute before each timed call (default: :data:`AFTER_COMPUTE` on gloo, none under NCCL,
+    whose calls only enqueue work on a stream)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     gloo = dist.get_backend() == "gloo"
     device = torch.device("cuda", torch.cuda.current_device()) if not gloo else torch.device("cpu")
-    out = {"compute_share": {}, "times": {k: {} for k in kinds}, "concurrent": {}}
+    after = (AFTER_COMPUTE if gloo else 0.0) if after is None else after
+    out = {"compute_share": {}, "times": {k: {} for k in kinds}, "concurrent": {}, "after_compute_s": after}
     if device.type == "cpu" and share_counts:
         rates = _compute_share(share_counts, share_seconds, device)
         out["compute_share"] = {k: r / rates[1] for k, r in rates.items()}
@@ -205,10 +230,10 @@ def rank_measurements(groups=(2, 4, 8), sizes=SIZES, kinds=KINDS, *, budget: flo
             for nbytes in sizes:
                 if rank < n:
                     if kind == "send":
-                        t = _time_collective(_ping_pong(nbytes, device), pg, device, budget) / 2
+                        t = _time_collective(_ping_pong(nbytes, device), pg, device, budget, after) / 2
                     else:
                         t = _time_collective(_collective_op(kind, nbytes, pg, n, rank, device, gloo), pg, device,
-                                             budget)
+                                             budget, after)
                     out["times"][kind].setdefault(n, []).append([nbytes, t])
         dist.barrier()
     if concurrent:

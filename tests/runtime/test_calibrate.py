@@ -14,6 +14,7 @@ import torch
 
 from fxpar.cli import main
 from fxpar.cost.profiles import KINDS, load_profile
+from fxpar.runtime.calibrate import AFTER_COMPUTE
 from fxpar.testing import multiproc
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # timings: measured alone
@@ -87,4 +88,29 @@ def test_in_group_path_measures_every_kind(pool2):
         sizes = [x for x, _ in m["times"][kind][2]]
         assert sizes == [4096, MB] and all(s > 0 for _, s in m["times"][kind][2]), kind
     assert m["concurrent"] == {}  # two ranks: one group, nothing runs beside it
+    assert m["after_compute_s"] == AFTER_COMPUTE > 0  # gloo: each timed call follows compute
     assert got[1]["times"]["all_reduce"][2] and got[1]["times"]["all_reduce"][2][1][1] > 0
+
+
+def starts_of_timed_calls(after: float) -> list[float]:
+    """The start times of the calls ``_time_collective`` makes of an all-reduce, ``after`` seconds of compute
+    before each timed one."""
+    import torch.distributed as dist
+
+    from fxpar.runtime.calibrate import _time_collective
+
+    starts, x = [], torch.ones(16)
+
+    def op():
+        starts.append(time.perf_counter())
+        dist.all_reduce(x)
+    _time_collective(op, dist.group.WORLD, torch.device("cpu"), budget=0.0, after=after)
+    return starts
+
+
+def test_each_timed_collective_follows_the_compute_gap(pool2):
+    starts = pool2.run(starts_of_timed_calls, 0.02, timeout=60)[0]
+    timed = starts[2:]  # the warm-up and the probe come first, back to back
+    assert len(timed) >= 7
+    gaps = [b - a for a, b in zip(timed, timed[1:])]
+    assert min(gaps) >= 0.02, gaps
