@@ -155,6 +155,9 @@ LAYOUT_CHAIN = SAME_ORDER_RESHAPES | PASS_THROUGH | {aten.expand, aten.transpose
 LAST_DIM_NORMS = frozenset({aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten._fused_rms_norm})
 # reductions and scans along the dims their second argument names
 DIM_REDUCTIONS = REDUCTIONS | SOFTMAX | {aten.var, aten.std, aten.cumsum, aten.argmax, aten.any, aten.all}
+# ops whose work is over their input, not their (smaller) output: reductions, and the cross-entropy loss,
+# which takes a log-softmax of its logits into a buffer of their size before it picks one per row
+READ_BOUND = REDUCTIONS | {aten.var, aten.std, aten.logsumexp, aten.cross_entropy_loss}
 # views that keep, move or cut dims
 DIM_VIEWS = SAME_ORDER_RESHAPES | SHAPE_ARG_OPS | {aten.transpose, aten.permute, aten.t, aten.slice, aten.select}
 

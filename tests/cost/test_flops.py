@@ -165,3 +165,24 @@ def test_grouped_expert_matmuls_are_priced_as_matmuls():
         assert w.dim() == 3 and k in w.shape[1:] and y.shape[1] in w.shape[1:]
         assert cost.flops == 2 * rows * k * y.shape[1]
         assert cost.bwd_flops == 2 * cost.flops
+
+
+def test_reductions_and_the_loss_are_priced_on_what_they_read():
+    """A mean over the hidden size and the cross-entropy over the logits do their work on their input: the
+    loss's one scalar output would price a step's log-softmax over every logit as one FLOP. The loss also
+    writes its log-softmax into a buffer the size of the logits (first touch of fresh memory)."""
+    model = zoo.build("llama", seed=0)
+    kw = zoo.example_inputs("llama", model, batch=2, seq=8)
+    program = fxpar.trace(model, example_kwargs=kw)
+    by = {}
+    for n in program.nodes():
+        if n.op == "call_function":
+            by.setdefault(getattr(n.target, "overloadpacket", None), []).append(n)
+    aten = torch.ops.aten
+    (loss,) = by[aten.cross_entropy_loss]
+    logits = loss.args[0].meta[meta.VAL]
+    cost = loss.meta[meta.COST]
+    assert cost.flops == logits.numel() and cost.bwd_flops == cost.flops
+    assert cost.bytes_written >= logits.numel() * logits.element_size()
+    for mean in by[aten.mean]:
+        assert mean.meta[meta.COST].flops == mean.args[0].meta[meta.VAL].numel()
