@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from itertools import product
 
 from fxpar.cost.estimate import Estimate, Pricer, gb
 from fxpar.cost.memory import fused_saving
@@ -22,7 +23,15 @@ from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
 from fxpar.ir.resolved import microbatch_size
 from fxpar.ir.schedule import SCHEDULE_RECORDS
-from fxpar.planner.space import cp_options, divisors, factorisations, microbatch_options, schedule_variants, variants
+from fxpar.planner.space import (
+    cp_attention_options,
+    cp_options,
+    divisors,
+    factorisations,
+    microbatch_options,
+    schedule_variants,
+    variants,
+)
 
 __all__ = ["AutoPlan", "baseline_plan", "describe", "search"]
 
@@ -54,7 +63,7 @@ def describe(plan: Plan) -> str:
     if plan.ep > 1:
         out += f" ep={plan.ep}"
     if plan.cp > 1:
-        out += f" cp={plan.cp}"
+        out += f" cp={plan.cp}" + (f" cp_attention={plan.cp_attention}" if plan.cp_attention != "allgather" else "")
     if plan.dp_replicate > 1:
         out += f" dp_replicate={plan.dp_replicate}"
     if plan.comm_dtype:
@@ -73,7 +82,8 @@ def describe(plan: Plan) -> str:
 def _key(e: Estimate) -> tuple:
     p = e.plan
     return (round(e.step_time, 9), p.pp, p.tp, p.zero, p.recompute != "none", p.microbatches or 0,
-            p.schedule, p.sequence_parallel, p.recompute, p.dp_replicate, p.ep, p.comm_dtype or "", p.fused_loss, p.cp)
+            p.schedule, p.sequence_parallel, p.recompute, p.dp_replicate, p.ep, p.comm_dtype or "", p.fused_loss, p.cp,
+            p.cp_attention)
 
 
 @dataclass
@@ -278,10 +288,11 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=Fal
         # models with expert layers, carved out of the dp replicas (fxpar.planner.space.variants)
         sps_here = [sp for sp in sps if (tp, sp) in costs.parts["pre"] and not (sp and (tp == 1 or sp_ok.get(tp)))]
         vs = variants(costs, dp, pp * tp, tp, rpn, sps_here, int8=int8, cp=cp)
+        modes = cp_attention_options(costs, cp, tp)
         for m in ms:
-            for sp, z, rc, r, e, q in vs:
+            for (sp, z, rc, r, e, q), a in product(vs, modes):
                 plan = Plan(dp=dp // e, ep=e, pp=pp, tp=tp, zero=z, microbatches=m, sequence_parallel=sp,
-                            recompute=rc, schedule="1f1b", dp_replicate=r, comm_dtype=q, cp=cp)
+                            recompute=rc, schedule="1f1b", dp_replicate=r, comm_dtype=q, cp=cp, cp_attention=a)
                 first.setdefault(m, []).append(pricer.price(plan, exact=False))
         for est in first.values():
             priced += est
@@ -296,9 +307,9 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=Fal
             got, why = schedule_variants(base, others, len(costs.layers) + 2)
             excluded += why
             for g in got:
-                for sp, z, rc, r, e, q in vs:
+                for (sp, z, rc, r, e, q), a in product(vs, modes):
                     plan = replace(g, dp=dp // e, ep=e, zero=z, sequence_parallel=sp, recompute=rc, dp_replicate=r,
-                                   comm_dtype=q)
+                                   comm_dtype=q, cp_attention=a)
                     priced.append(pricer.price(plan, exact=False))
     return priced, excluded
 

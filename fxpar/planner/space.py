@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from itertools import product
 
+from fxpar.cost.context_parallel import ulysses_at
 from fxpar.ir import schedule as sched
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import RECOMPUTE, Plan
@@ -79,6 +80,17 @@ def ep_options(costs, replicas: int, tp: int) -> list[int]:
         return [1]
     n = [x.n_experts for part in costs.parts.values() if (x := part[(1, False)].experts)]
     return [e for e in divisors(replicas) if all(k % e == 0 for k in n)]
+
+
+def cp_attention_options(costs, cp: int, tp: int) -> tuple[str, ...]:
+    """``Plan.cp_attention`` values to search at ``cp`` context-parallel ranks and ``tp``: the all-gather of keys
+    and values, and Ulysses' all-to-alls where cp divides the heads (per TP rank) of at least one attention of
+    the model (elsewhere ``"ulysses"`` keeps the all-gather, so it would only repeat that plan)."""
+    if cp == 1:
+        return ("allgather",)
+    takes = any(ulysses_at(v.attention, cp)[0] for part in costs.parts.values()
+                if (v := part.get((tp, False))) is not None)
+    return ("allgather", "ulysses") if takes else ("allgather",)
 
 
 def variants(costs, replicas: int, inner: int, tp: int, ranks_per_node: int, sps, recompute=RECOMPUTE,

@@ -42,6 +42,18 @@ def test_the_search_offers_cp_at_a_long_sequence():
     assert all(not p.sequence_parallel and p.ep == 1 and p.dp_replicate == 1 for p in with_cp)
     assert any(p.tp == 2 for p in with_cp) and any(p.zero == 3 for p in with_cp)
     assert "cp=2" in describe(next(p for p in with_cp if p.cp == 2))
+    # Ulysses where cp divides the heads per TP rank (the zoo Llama: 4 query, 2 key/value heads), priced beside
+    # the all-gather; where it divides none ("ulysses" would only repeat the all-gather) not searched
+    heads = {(p.cp, p.tp): set() for p in with_cp}
+    for p in with_cp:
+        heads[(p.cp, p.tp)].add(p.cp_attention)
+    assert heads[(2, 1)] == {"allgather", "ulysses"} and heads[(4, 1)] == {"allgather"}
+    assert heads[(2, 2)] == {"allgather"}
+    ulysses = next(e for e in auto.ranked + auto.rejected if e.plan.cp_attention == "ulysses")
+    allgather = next(e for e in auto.ranked + auto.rejected
+                     if e.plan == replace(ulysses.plan, cp_attention="allgather"))
+    assert ulysses.comm_bytes["cp"] != allgather.comm_bytes["cp"]
+    assert "cp_attention=ulysses" in describe(ulysses.plan)
 
 
 def test_the_search_leaves_cp_out_at_a_short_sequence_where_plans_fit(short):
