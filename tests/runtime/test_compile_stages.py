@@ -240,6 +240,15 @@ def test_a_stage_that_fails_to_compile_runs_eagerly_with_one_warning(monkeypatch
 
 
 @pytest.mark.slow
+def test_bf16_compiled_matches_eager_autocast():
+    """One process, mixed_precision="bf16": Inductor rounds the bf16 intermediates of its fused kernels as
+    eager autocast does (``emulate_precision_casts``), so compiled and eager agree as closely as in fp32
+    (without it, 1.1e-3 in loss and 3e-3 in gradients after 3 steps)."""
+    r = compiled_vs_eager("mixed_precision=bf16", 3, layers=1)
+    assert r["same_keys"] and r["codes"] == 2 and r["loss"] <= TOL and r["grads"] <= TOL, r
+
+
+@pytest.mark.slow
 def test_tp2_compiled_matches_eager(pool2):
     for r in pool2.run(compiled_vs_eager, "tp=2", 3, timeout=600):
         assert r["same_keys"] and r["loss"] <= TOL and r["grads"] <= TOL, r
