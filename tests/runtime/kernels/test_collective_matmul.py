@@ -223,14 +223,16 @@ def train_chunked_vs_unchunked(chunk_counts, steps: int = 3, name: str = "llama"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunks,extra", [((2, 4), ""), ((2,), ",mixed_precision=bf16"),
-                                          ((2,), ",recompute=selective")])
-def test_training_with_collective_matmul_equals_unchunked(pool2, chunks, extra):
-    """fp32; bf16 autocast (the kernels cast as autocast would: the unchunked path's dtypes); selective
-    recompute, which keeps the kernels' outputs (passes/recompute.py) instead of communicating again."""
+@pytest.mark.parametrize("chunks,extra,tol", [((2, 4), "", 0), ((2,), ",mixed_precision=bf16", 0),
+                                              ((2,), ",recompute=selective", TOL)])
+def test_training_with_collective_matmul_equals_unchunked(pool2, chunks, extra, tol):
+    """fp32 and bf16 autocast (the kernels cast as autocast would: the unchunked path's dtypes): losses and
+    gradients bit-equal to the unchunked path's. Selective recompute, which keeps the kernels' outputs
+    (passes/recompute.py) instead of communicating again: within ``TOL`` (measured: gradients 8e-8 apart
+    after one step, losses 4.8e-7 after three; which side rounds differently is not traced yet)."""
     for rank, res in enumerate(pool2.run(train_chunked_vs_unchunked, chunks, 3, "llama", extra, timeout=300)):
         for k, r in res.items():
-            assert r["same_keys"] and r["loss"] <= TOL and r["grads"] <= TOL, (rank, k, r)
+            assert r["same_keys"] and r["loss"] <= tol and r["grads"] <= tol, (rank, k, r)
             assert r["fused0"] == 0 and r["fused"] == 2 * 2 * 2 + 1, (rank, k, r)  # 2 layers x (2 + 2) + head
             # the stage graphs count the same collectives; fxpar inspect lists the kernels where they run
             assert r["same_counts"], (rank, k, r)
