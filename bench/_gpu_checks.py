@@ -143,6 +143,9 @@ def kernels(env: Env):
             ms_t, ms_r = env.timed(tri), env.timed(ref)
             rows.append([name, f"max rel. diff {err:.1e}", f"{ms_t:.3f}", "", f"{ms_r:.3f}", "", f"{ms_r / ms_t:.2f}",
                          "Triton" if use_triton("linear_cross_entropy", dev) else "torch"])
+    row, good = _chunk_attention(env, g)
+    rows.append(row)
+    ok &= good
     body = table(["kernel", "Triton vs torch", "Triton ms", "Triton GB/s", "torch ms", "torch GB/s", "torch/Triton",
                   "default here"], rows)
     return body + ("\n\n(dry run: the Triton interpreter; times say nothing)" if env.dry else ""), ok
@@ -150,6 +153,30 @@ def kernels(env: Env):
 
 def _op_of(name: str) -> str:
     return name.split()[0]
+
+
+def _chunk_attention(env: Env, g: torch.Generator) -> tuple[list, bool]:
+    """chunk_attention forward + backward, causal, grouped KV: Triton against the torch path, each output's
+    norm-relative difference (fp32 under the interpreter: 1e-5; bf16 on a GPU, fp32 accumulation on both
+    sides, rounded to bf16 differently: 2e-2, the fused loss's bound)."""
+    from fxpar.runtime.kernels import chunk_attention as ca
+
+    dev = env.device
+    (b, h, hkv, s, d), dtype = ((1, 4, 2, 48, 16), torch.float32) if env.dry else \
+        ((1, 32, 8, 2048, 128), torch.bfloat16)
+    q, do = (torch.randn(b, h, s, d, device=dev, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, hkv, s, d, device=dev, generator=g).to(dtype) for _ in range(2))
+    causal = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
+
+    def run(fwd, bwd):
+        out, lse = fwd(q, k, v, causal, d ** -0.5, None)
+        return [out, lse, *bwd(q, k, v, out, lse, do, causal, d ** -0.5, None)]
+    tri = lambda: run(ca._forward_triton, ca._backward_triton)  # noqa: E731
+    ref = lambda: run(ca._forward_torch, ca._backward_torch)  # noqa: E731
+    err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(tri(), ref()))
+    ms_t, ms_r = env.timed(tri), env.timed(ref)
+    return [f"chunk_attention fwd+bwd {str(dtype)[6:]}", f"rel. diff {err:.1e}", f"{ms_t:.3f}", "", f"{ms_r:.3f}",
+            "", f"{ms_r / ms_t:.2f}", "Triton" if ca._triton(q) else "torch"], err <= (1e-5 if env.dry else 2e-2)
 
 
 # ---- 3. the fused loss --------------------------------------------------------------------------------

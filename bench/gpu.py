@@ -6,10 +6,11 @@ the same plumbing on the CPU with tiny shapes (CI runs it, so it cannot rot).
 Sections (each runs even when an earlier one failed; the exit status is 1 if any failed):
 
 1. **kernels**: each Triton kernel (ZeRO bucket ``pack_shard`` / ``copy_out``, int8 ``quantize_shard`` /
-   ``dequantize_copy_out``, the fused loss's ``stats`` / ``grad``)
-   compiled for the device and checked against its torch path on the same tensors (equal where the
-   kernel's contract says bit-equal), then both timed (median of CUDA-event times; GB/s counts bytes read
-   plus bytes written once) on a Llama-7B-shaped decoder layer's bucket (202M entries).
+   ``dequantize_copy_out``, the fused loss's ``stats`` / ``grad``, context parallelism's ``chunk_attention``
+   forward and backward, bf16, 2,048 causal tokens, 32 / 8 heads) compiled for the device and checked
+   against its torch path on the same tensors (equal where the kernel's contract says bit-equal), then
+   both timed (median of CUDA-event times; GB/s counts bytes read plus bytes written once; the buckets'
+   kernels on a Llama-7B-shaped decoder layer's bucket, 202M entries).
 2. **plans**: a tiny Llama compiled by fxpar on one rank of an NCCL process group (world 1: the same code
    paths as a multi-rank run, the collectives on one rank) under each plan of :data:`PLANS`, three AdamW
    steps, its losses against the eager Hugging Face module's on the same weights; which fxpar kernels ran;

@@ -6,6 +6,13 @@ Which path a kernel takes is decided here, for all of them (:func:`use_triton`):
 argument where the caller gives one ("triton" / "torch"), else the one switch ``FXPAR_KERNELS_TRITON``
 ("1": Triton on every device, the CPU under the Triton interpreter; "0": torch's everywhere), else inside
 a :func:`forced` block its choice, else ("auto") Triton on CUDA for the ops of :data:`CUDA_DEFAULT`.
+
+The rule for :data:`CUDA_DEFAULT`: an op joins it only once ``./dev gpu`` (``bench/_gpu_checks.py``,
+section "kernels") has checked its Triton path against its torch path on a GPU and measured it faster;
+until then its Triton path is opt-in (``backend="triton"``, :func:`forced`, ``FXPAR_KERNELS_TRITON=1``).
+``tests/e2e/test_dev_gpu_dry.py`` fails when an op of :data:`CUDA_DEFAULT` has no row in that section.
+``FXPAR_KERNELS_TRITON=0`` forces every op's torch path, ZeRO-1/2's ``copy_out`` after each optimizer
+step and the fused loss's included.
 """
 
 from __future__ import annotations

@@ -29,8 +29,12 @@ def test_dry_run_passes_every_section(tmp_path):
     for section in ("kernels", "plans", "loss", "slice"):
         assert f"#### {section}: ok" in report
     kernels = ["pack_shard", "copy_out", "quantize_shard", "dequantize_copy_out", "cross-entropy stats",
-               "cross-entropy grad"]
+               "cross-entropy grad", "chunk_attention"]
     assert all(f"| {k}" in report for k in kernels)
+    # a kernel whose Triton path CUDA takes by default is one `./dev gpu` checks against its torch path
+    from fxpar.runtime.kernels import CUDA_DEFAULT
+    rows = {"linear_cross_entropy": "cross-entropy"}
+    assert all(f"| {rows.get(op, op)}" in report for op in CUDA_DEFAULT), sorted(CUDA_DEFAULT)
     for plan in _gpu_runs.PLANS:
         if plan not in _gpu_runs.DRY_SKIPS:
             assert f"| `{plan or '(default)'}` |" in report, plan

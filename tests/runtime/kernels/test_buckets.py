@@ -99,7 +99,7 @@ def test_backend_choice(monkeypatch):
         pytest.skip("triton is not installed")
     monkeypatch.delenv(kernels.TRITON_ENV, raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    ops = ("pack_shard", "copy_out", "quantize_shard", "dequantize_copy_out", "linear_cross_entropy")
+    ops = ("pack_shard", "copy_out", "quantize_shard", "dequantize_copy_out", "linear_cross_entropy", "chunk_attention")
     # on CUDA "auto" picks Triton only for the ops measured faster there (CUDA_DEFAULT); never on the CPU
     for op in ops:
         assert kernels.use_triton(op, cuda) == (op in kernels.CUDA_DEFAULT), op
