@@ -2,6 +2,9 @@
 then transformers' HFTracer where export fails and the installed transformers has it), lowered into
 fxpar's IR. ``fxpar.trace`` and the planner's trace of a shortened copy both call :func:`capture_program`.
 
+With ``FXPAR_PROGRAM_CACHE`` set, an export-frontend capture is kept on disk and a later run with an
+unchanged model, inputs and versions loads it instead of tracing (:mod:`fxpar.frontend.program_cache`).
+
 Either frontend traces with the model's KV cache off unless the call asks for it
 (:mod:`fxpar.frontend.kv_cache`): a stock config's ``use_cache=True`` needs no ``use_cache=False`` from
 the caller, at trace time or at any later call of the compiled program.
@@ -11,10 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from fxpar.frontend import program_cache
 from fxpar.frontend.export import capture_export
 from fxpar.frontend.kv_cache import cache_off_for_trace, call_values
 from fxpar.frontend.lower import program_from_exported
 from fxpar.ir.errors import TraceError
+from fxpar.ir.options import run_options
 from fxpar.ir.program import Program
 
 FRONTENDS = ("auto", "export", "hf_fx")
@@ -42,8 +47,17 @@ def capture_program(model: torch.nn.Module, example_args: tuple = (), example_kw
         raise ValueError(f"frontend={frontend!r}; choose one of {FRONTENDS}")
     example_args = tuple(example_args)
     example_kwargs = dict(example_kwargs or {})
-    with cache_off_for_trace(model, call_values(model, example_args, example_kwargs)):
-        ep, used = _capture_with_fallback(model, example_args, example_kwargs, frontend, dynamic, stack_traces)
+    directory = run_options().program_cache  # FXPAR_PROGRAM_CACHE: a program traced in an earlier run
+    name = ep = None
+    if directory is not None and program_cache.cacheable(frontend, dynamic):
+        name = program_cache.key(model, example_args, example_kwargs, frontend=frontend, dynamic=dynamic,
+                                 stack_traces=stack_traces)
+        ep, used = program_cache.load(directory, name), "export"
+    if ep is None:
+        with cache_off_for_trace(model, call_values(model, example_args, example_kwargs)):
+            ep, used = _capture_with_fallback(model, example_args, example_kwargs, frontend, dynamic, stack_traces)
+        if name is not None and used == "export":
+            program_cache.save(directory, name, ep)
     return program_from_exported(ep, model, frontend=used)
 
 

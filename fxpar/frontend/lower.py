@@ -58,6 +58,15 @@ def annotate_modules(gm: torch.fx.GraphModule, resolve, default: str = "") -> No
             annotate_modules(sub, resolve, owner)
 
 
+def _name_subgraphs_by_target(gm: torch.fx.GraphModule) -> None:
+    """Each ``get_attr`` of a subgraph named ``graph_<target>``: export may name ``submod_1``'s node
+    ``submod_3``, ``torch.export.load`` names it ``submod_1``; one rule makes a program loaded from the
+    program cache print as the traced one."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.fx.GraphModule):
+            node._rename(f"graph_{node.target}")
+
+
 def program_from_exported(ep: torch.export.ExportedProgram, model: torch.nn.Module, *,
                           frontend: str) -> Program:
     gm = ep.graph_module
@@ -119,6 +128,7 @@ def program_from_exported(ep: torch.export.ExportedProgram, model: torch.nn.Modu
                              hint="the model mutates its inputs; clone them inside forward or report it")
 
     annotate_modules(gm, resolve)
+    _name_subgraphs_by_target(gm)
     gm.graph.lint()
     gm.recompile()
     return Program(gm, inputs=inputs, outputs=outputs, in_spec=ep.call_spec.in_spec,

@@ -50,6 +50,14 @@ def _number(kind: type, low: float, strict: bool) -> Callable[[str], float]:
     return parse
 
 
+def _cache_dir(raw: str) -> Path | None:
+    """A switch (on: ``~/.cache/fxpar/programs``) or a directory."""
+    low = raw.lower()
+    if low in _ON or low in _OFF:
+        return Path.home() / ".cache" / "fxpar" / "programs" if low in _ON else None
+    return Path(raw).expanduser()
+
+
 def _names(raw: str) -> frozenset[str]:
     return frozenset(s.strip() for s in raw.split(",") if s.strip())
 
@@ -98,6 +106,10 @@ class RunOptions:
                                        "1 (Triton everywhere) or 0 (torch everywhere)",
                                        "fxpar.runtime.kernels")
     """The kernels' path: True Triton on every device, False torch's; None: each kernel's own rule."""
+    program_cache: Path | None = _var("FXPAR_PROGRAM_CACHE", None, _cache_dir,
+                                      "1/on (~/.cache/fxpar/programs), 0/off, or a directory",
+                                      "fxpar.frontend.capture")
+    """Where traced programs are kept across runs (None: nowhere; every run traces)."""
     launcher: bool = _var("FXPAR_LAUNCHER", False, _switch, _SWITCH, "fxpar.cli.failures")
     """Set by ``fxpar launch`` for its workers (the launcher prints their failures); not for users."""
 
