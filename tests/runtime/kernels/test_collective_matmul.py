@@ -229,7 +229,8 @@ def test_training_with_collective_matmul_equals_unchunked(pool2, chunks, extra, 
     """fp32 and bf16 autocast (the kernels cast as autocast would: the unchunked path's dtypes): losses and
     gradients bit-equal to the unchunked path's. Selective recompute, which keeps the kernels' outputs
     (passes/recompute.py) instead of communicating again: within ``TOL`` (measured: gradients 8e-8 apart
-    after one step, losses 4.8e-7 after three; which side rounds differently is not traced yet)."""
+    after one step, losses 4.8e-7 after three). The chunked side rounds differently there: the unchunked
+    path under selective recompute is bit-equal to it without; which recomputed op differs is not traced yet."""
     for rank, res in enumerate(pool2.run(train_chunked_vs_unchunked, chunks, 3, "llama", extra, timeout=300)):
         for k, r in res.items():
             assert r["same_keys"] and r["loss"] <= tol and r["grads"] <= tol, (rank, k, r)
