@@ -77,14 +77,17 @@ class ReduceTap(TorchDispatchMode):
         return out
 
 
-def lora_training(plan: str, name: str = NAME, variant: str = "lora", steps: int = 2) -> dict:
+def lora_training(plan: str, name: str = NAME, variant: str = "lora", steps: int = 2, make=None,
+                  batch=None) -> dict:
     """``steps`` AdamW steps of ``plan`` next to PEFT's model on one process: the largest loss and adapter
     differences, the base weights that moved; from the first step, the reduced bytes, the optimizer's state
-    entries and the frozen parameters held (entries) and given a gradient on this rank."""
-    batch = _batch(name)
-    compiled = fxpar.compile(lora_llama(name, variant), plan, example_kwargs=batch, optimizer=adamw, timeout=120,
+    entries and the frozen parameters held (entries) and given a gradient on this rank. ``make()`` (a fresh
+    PEFT model, the same on every call) and ``batch`` stand in for the zoo's ``name`` (bench/lora_sweep.py)."""
+    make = make or (lambda: lora_llama(name, variant))
+    batch = _batch(name) if batch is None else batch
+    compiled = fxpar.compile(make(), plan, example_kwargs=batch, optimizer=adamw, timeout=120,
                              max_grad_norm=MAX_NORM)
-    reference = lora_llama(name, variant)
+    reference = make()
     start = {k: v.clone() for k, v in reference.state_dict().items()}
     adapters = [p for p in reference.parameters() if p.requires_grad]
     opt = adamw(adapters)
@@ -94,12 +97,12 @@ def lora_training(plan: str, name: str = NAME, variant: str = "lora", steps: int
             loss = compiled.step(**batch)
         if i == 0:
             held = [p for s in compiled.pipeline.stages_of(compiled.pp_rank) for p in s.gm.parameters()]
+            groups = compiled.optimizer.param_groups if compiled.optimizer else []  # None: no adapter on this rank
             out = {"reduced": tap.bytes, "frozen_grads": sum(p.grad is not None for p in held if not p.requires_grad),
                    "frozen_held": sum(p.numel() for p in held if not p.requires_grad),
-                   "states": sum(t.numel() for st in compiled.optimizer.state.values()
-                                 for k, t in st.items() if k == "exp_avg"),
-                   "frozen_stepped": sum(not p.requires_grad for g in compiled.optimizer.param_groups
-                                         for p in g["params"])}
+                   "states": sum(t.numel() for g in groups for p in g["params"]
+                                 for k, t in compiled.optimizer.state.get(p, {}).items() if k == "exp_avg"),
+                   "frozen_stepped": sum(not p.requires_grad for g in groups for p in g["params"])}
         opt.zero_grad()
         ref = reference(**batch).loss
         ref.backward()
