@@ -157,6 +157,8 @@ class _Builder:
             program = trace(self.model, *pytree.tree_unflatten(mb, spec), frontend=self.frontend)
         else:
             feasibility.check_program(program, self.model, setup)
+        if self.on_meta and not self.priced:
+            feasibility.check_meta_constants(program, plan)
         if self.cuts is None:
             if plan.split_points:
                 self.cuts = resolve_split_points(program, plan.split_points)

@@ -79,6 +79,21 @@ def check_program(program, model, setup: PipelineSetup) -> None:
                         f"x dp={dp}); it was traced on {traced_batch(program)}")
 
 
+def check_meta_constants(program, plan: Plan) -> None:
+    """A program traced on the meta device (a meta-built model, or ZeRO-3 of a built one: it takes the model's
+    tensors) keeps the shapes of the constant tensors its forward builds from Python data on an input's device
+    (``x[..., [-2]]`` lifts ``tensor([-2])``), not their values: running it would compute with values it never
+    had, so such a program is a PlanError naming them."""
+    lost = sorted(k for k, v in program.constants.items() if isinstance(v, torch.Tensor) and v.is_meta)
+    if lost:
+        how = ("ZeRO-3 took the model's tensors and traced it on meta" if plan.zero == 3
+               else "the model is on the meta device")
+        raise PlanError(f"{type(program.root).__name__} traced on the meta device ({how}) builds {len(lost)} "
+                        f"constant tensors in its forward from Python data on its input's device ({', '.join(lost[:4])}"
+                        f"; e.g. indexing with a list): a meta trace keeps their shapes, not their values. Compile "
+                        f"the model built on the CPU under a plan without zero=3 (zero=1 shards the optimizer state)")
+
+
 def check_split_points(cuts: list, plan: Plan, n_stages: int) -> None:
     if len(cuts) != n_stages - 1:
         raise PlanError(f"{len(cuts)} split points make {len(cuts) + 1} stages, but the plan "

@@ -140,3 +140,13 @@ def test_wrong_state_dict_is_a_clear_error():
     source = WeightSource(model, {"model.embed_tokens.weight": torch.zeros(3, 3)})
     with pytest.raises(fxpar.PlanError, match=r"model.embed_tokens.weight has shape \(3, 3\)"):
         source.load(["model.embed_tokens.weight"], None, like=torch.empty(256, 64, device="meta"))
+
+
+def test_constants_a_meta_trace_has_no_values_for_are_a_clear_error():
+    """Falcon's qkv[..., [-2]] lifts tensor([-2]) on its input's device: traced on meta it has a shape and no
+    values (the program ran with them: loss nan), so compile refuses it before any communication."""
+    ref = zoo.build("falcon", seed=0)
+    with pytest.raises(fxpar.PlanError, match=r"(?s)FalconForCausalLM traced on the meta device .* builds 4 "
+                                              r"constant tensors .*self_attention.lifted_tensor_0.* zero=3"):
+        fxpar.compile(_meta("falcon"), "dp=1", example_kwargs=zoo.example_inputs("falcon", ref, batch=2, seq=8),
+                      optimizer=sgd, weights=ref.state_dict())
