@@ -160,6 +160,25 @@ def _ep_calls(pg, me: int, sizes, reps: int, experts: int = 4) -> dict:
     return out
 
 
+def gather_scratch(pg, numel: int = 1 << 20) -> float:
+    """Bytes the backend holds beside an all-gather's output while it runs, per output byte (the allocator's
+    peak over one all-gather into a buffer made before it, less that buffer; the larger of the members'):
+    gloo gathers into a flat buffer of the output's size and copies it out, 1.0; NCCL writes in place, 0."""
+    from fxpar.runtime import dist_calls
+    from fxpar.runtime.memtrack import AllocatorPeak
+
+    x = torch.ones(numel)
+    out = torch.empty(2 * numel)
+    dist_calls.all_gather_into(out, x, _GROUP)
+    with AllocatorPeak() as mem:
+        dist_calls.all_gather_into(out, x, _GROUP)
+        mem.mark()
+        dist_calls.all_gather_into(out, x, _GROUP)
+    got = torch.tensor([max(0, mem.peak - mem.start) / out.nbytes], dtype=torch.float64)
+    dist.all_reduce(got, op=dist.ReduceOp.MAX, group=pg)
+    return round(got.item(), 2)
+
+
 def _bucket_costs(me: int, reps: int) -> tuple[float, float]:
     """(s per bucket, bytes/s) of the DP engine's buckets: a backward into 8 tensors through
     :class:`DataParallelEngine` (hooks, copies into the buckets, launch, wait, views) against the same backward
@@ -278,6 +297,7 @@ def runtime_measurements(*, quick: bool = False, pipeline=None) -> dict:
         a, b = out["gather_copy"]
         out["gather_copy"] = (a, 1 / b if b else 0.0)
         out["bucket_copy"] = _bucket_costs(rank, reps)
+        out["gather_scratch"] = gather_scratch(pg)
         out["optimizer_tensor"] = measure_optimizer_tensors(0.05 if quick else 0.15)
     if pipeline is not None and dist.get_world_size() == 2 and not quick:  # (compiling takes seconds)
         out["pipeline_action"] = pipeline(quick=quick)

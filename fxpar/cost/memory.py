@@ -53,9 +53,10 @@ def step_grads(numel: int, zero: int, microbatches: int) -> int:
 
 def activation_peaks(name: str, pp: int, m: int, v: int, mine, kept, trans, kout, params, exact: bool) -> list[tuple]:
     """Per rank: its activation peak (kept microbatches, the backward's transient, the outputs made so
-    far), and its peak counting also the parameter gradients (4 bytes per entry) its backwards have made
-    by then, at every moment of its schedule (:func:`fxpar.cost.schedule.moments`); above the exact limit, the in-flight
-    bound with every microbatch's outputs and, but for GPipe, the gradients held through the steady state."""
+    far), its peak counting also the parameter gradients (4 bytes per entry) its backwards have made
+    by then, and its peak while no backward runs, at every moment of its schedule
+    (:func:`fxpar.cost.schedule.moments`); above the exact limit, the in-flight bound with every microbatch's
+    outputs and, but for GPipe, the gradients held through the steady state (and the first as the third)."""
     if not exact:
         all_forwards_first = schedule_record(name).closed_forms[1] == "gpipe"  # no gradient before the last forward
         base = peak_activation(name, pp, m, v, [[kept[s] for s in st] for st in mine],
@@ -63,15 +64,16 @@ def activation_peaks(name: str, pp: int, m: int, v: int, mine, kept, trans, kout
         out = []
         for r, st in enumerate(mine):
             a, g = base[r] + m * sum(kout[s] for s in st), 4 * sum(params[s] for s in st)
-            out.append((a, max(a, g + m * sum(kout[s] for s in st)) if all_forwards_first else a + g))
+            out.append((a, max(a, g + m * sum(kout[s] for s in st)) if all_forwards_first else a + g, a))
         return out
     out = []
     for r, st in enumerate(mine):
-        got = [0.0, 0.0]
+        got = [0.0, 0.0, 0.0]
         grads = [4 * params[s] for s in st]
         for live, t, done, fwd in moments(name, pp, m, v)[r]:
             a = sum(c * kept[s] + f * kout[s] for c, f, s in zip(live, fwd, st)) + (trans[st[t]] if t >= 0 else 0)
-            got = [max(got[0], a), max(got[1], a + sum(g for d, g in zip(done, grads) if d))]
+            got = [max(got[0], a), max(got[1], a + sum(g for d, g in zip(done, grads) if d)),
+                   got[2] if t >= 0 else max(got[2], a)]
         out.append(tuple(got))
     return out
 
@@ -82,8 +84,8 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
     (buckets reduce as they fill; ZeRO-1/2 then gather the updated shards), the optimizer step, and the
     fullest rank's memory ``(peak, states, activations, buffers)``.
 
-    ``acts[r]``: the rank's peak of activations without and with the gradients its backward makes
-    (:func:`activation_peaks`). The step drops the parameters' gradients when it begins
+    ``acts[r]``: the rank's peak of activations without and with the gradients its backward makes, and while
+    no backward runs (:func:`activation_peaks`). The step drops the parameters' gradients when it begins
     (``runtime/model.py``), so without data parallelism they are not there at the activations' peak;
     the data-parallel engine keeps its flat buckets (the gradients between steps are views of them:
     ``runtime/data_parallel.py``) and autograd's fresh gradients are copied into them as backward makes
@@ -129,11 +131,14 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
             hidden = sum(B[s] for s in mine[r]) if p.comm_overlaps else 0.0
             dp_exposed = max(dp_exposed, max(0.0, red - hidden) + (last if p.comm_overlaps else 0.0) + gather)
         opt_time = max(opt_time, opt)
-        buffers, made, bucket = 0, True, 0  # made: whether the gradients backward makes add to the state
+        buffers, made, bucket, gather_peak = 0, True, 0, 0  # made: whether backward's gradients add to the state
         trains = n / max(1, n + fz)  # the share of a bucket or a tensor that has gradients and optimizer state
         if plan.zero == 3 and dp > 1:
             part = max(big_part[x] for x in mine[r])
             buffers, made = part * gbytes, False
+            # a gather of the largest bucket late in a forward (an LM head's): what the backend holds beside
+            # it while gathering (gloo: as much again) on top of the forward's activations
+            gather_peak = held - mem["grads"] + buffers * (1 + p.gather_scratch) + acts[r][2]
             # a bucket's backward: the regathered bucket, its parameters' gradients and their concatenation
             # (then gloo's reduce-scatter copy of it) alive at once; at the last bucket's, every other
             # shard's gradient is made
@@ -143,7 +148,7 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
         # gradients held as the step begins: the step drops its stages' parameters' .grad before the forward
         # (ZeRO-3: the shards'); the engine's buckets and ZeRO-1/2's shard gradients stay
         before = 0 if dp == 1 and plan.zero == 0 or plan.zero == 3 else mem["grads"]
-        total = max(held - mem["grads"] + before + buffers + acts[r][made], bucket)
+        total = max(held - mem["grads"] + before + buffers + acts[r][made], bucket, gather_peak)
         stepped = max(big_part[x] for x in mine[r]) if plan.zero == 3 else max(big_tensor[x] for x in mine[r])
         stepped = int(stepped * trains)  # (a LoRA's largest stepped tensor: roughly its adapters' share)
         total = max(total, held + optimizer_transient(p, plan.zero, n, stepped, groups.shard if plan.zero else 1))

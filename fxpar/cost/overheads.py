@@ -158,4 +158,6 @@ def runtime_fields(r: dict) -> dict:
             out[key] = tuple(float(x) for x in r[key])
     if r.get("comm_share"):
         out["comm_share"] = {int(k): float(v) for k, v in r["comm_share"].items()}
+    if "gather_scratch" in r:
+        out["gather_scratch"] = float(r["gather_scratch"])
     return out

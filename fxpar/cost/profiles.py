@@ -85,6 +85,7 @@ class DeviceProfile:
     # (s per stepped tensor beyond its entries' time, s per parameter group)
     optimizer_tensor: tuple[float, float] = (0.0, 0.0)
     comm_share: dict[int, float] = field(default_factory=dict)  # busy ranks on a node -> a collective's speed factor
+    gather_scratch: float = 0.0  # an all-gather's scratch per output byte (gloo: a flat buffer, 1.0; NCCL: 0)
 
     def matmul_flops(self, dtype: str) -> float:
         """Sustained matmul FLOP/s for ``dtype`` ("bf16", "float32", a torch.dtype, ...); a dtype the
@@ -199,11 +200,10 @@ class DeviceProfile:
         kw = {k: v for k, v in d.items() if k in names}
         kw["intra"], kw["inter"] = Link(**d["intra"]), Link(**d["inter"])
         kw["memory"], kw["ranks_per_node"] = int(d["memory"]), int(d["ranks_per_node"])
-        kw["compute_share"] = {int(k): float(v) for k, v in d.get("compute_share", {}).items()}
         kw["collectives"] = {kind: {int(n): (float(a), float(b)) for n, (a, b) in table.items()}
                              for kind, table in d.get("collectives", {}).items()}
         kw["collective_call"] = {k: (float(a), float(b)) for k, (a, b) in d.get("collective_call", {}).items()}
-        kw["comm_share"] = {int(k): float(v) for k, v in d.get("comm_share", {}).items()}
+        kw.update({k: {int(n): float(v) for n, v in d.get(k, {}).items()} for k in ("compute_share", "comm_share")})
         kw.update({k: tuple(map(float, d[k])) for k in ("bucket_copy", "gather_copy", "optimizer_tensor") if k in d})
         return cls(**kw)
 
@@ -270,7 +270,7 @@ def cpu_default(ranks_per_node: int | None = None) -> DeviceProfile:
         intra=loop, inter=loop, op_overhead=10e-6,
         compute_share={k: min(1.0, cores / k) for k in (1, 2, 4, 8, 16, 32, 64) if k <= max(n, 1)},
         comm_overlaps=False,  # gloo reduces and copies on the cores the ranks compute on
-        optimizer_per_tensor=True,
+        optimizer_per_tensor=True, gather_scratch=1.0,  # gloo's all-gather: a flat buffer of its output's size
         source=f"rough default for an uncalibrated host ({cores} cores); run `fxpar calibrate`")
 
 

@@ -23,15 +23,20 @@ MB = 2**20
 
 
 def direct_all_reduce(nbytes: int, calls: int = 20) -> float:
-    """Median seconds of ``calls`` all-reduces of ``nbytes`` on this pool's ranks (the slowest rank's)."""
+    """Median seconds of ``calls`` all-reduces of ``nbytes`` on this pool's ranks (the slowest rank's), each
+    after the calibration's compute gap (as a training step reaches its collectives)."""
     import torch.distributed as dist
+
+    from fxpar.runtime.calibrate import _busy
 
     x = torch.ones(nbytes // 4)
     for _ in range(3):
         dist.all_reduce(x)
+    busy = _busy(AFTER_COMPUTE, torch.device("cpu"))
     times = []
     for _ in range(calls):
         dist.barrier()
+        busy()
         t = time.perf_counter()
         dist.all_reduce(x)
         times.append(time.perf_counter() - t)
@@ -74,6 +79,7 @@ def test_quick_calibration_writes_a_usable_profile(tmp_path, pool2):
     runtime = json.loads(out.read_text())["measurements"]["runtime"]
     assert {"bucket_copy", "gather_copy", "optimizer_tensor"} <= set(runtime), runtime
     assert all(x >= 0 for x in (*p.bucket_copy, *p.gather_copy, *p.optimizer_tensor))
+    assert 0.9 <= p.gather_scratch <= 1.1  # gloo's all-gather: a flat buffer of its output's size beside it
     assert p.pipeline_action == {} and p.comm_share == {}  # --quick on 2 ranks: neither
     predicted = p.collective_time("all_reduce", MB, 2, inter_node=False)
     measured = max(pool2.run(direct_all_reduce, MB, timeout=60))
