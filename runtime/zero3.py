@@ -26,7 +26,11 @@ __all__ = ["Zero3Gatherer", "Zero3Regather"]
 class Zero3Regather:
     """A context for one ZeRO-3 forward: autograd saves a handle for every tensor that lives in a
     gathered bucket, and gathers the bucket again when backward needs it; the gathered forward copy is
-    freed after its last forward use. The regathered bucket is kept while backward works through it.
+    freed after its last forward use. The regathered bucket is kept while backward works through it: one
+    bucket of trained parameters and one of frozen ones at a time. A layer whose frozen weights have trained
+    adapters beside them (LoRA: each kind in buckets of its own, ``passes/zero3.py``) reads both in turn in
+    its backward, base then adapter for each projection; holding one bucket in all gathered the layer's frozen
+    bucket again at every projection, and held two at each switch.
 
     ``backward_next``: this forward's backward comes right after it (the pipeline runtime knows from
     its schedule). Then the bucket gathered last is kept from the end of the forward for the backward,
@@ -45,7 +49,7 @@ class Zero3Regather:
         # (shard, group, dim, dtype, comm_dtype));
         # the weak ref tells a live bucket from a later tensor that happens to reuse a freed bucket's address
         self.buckets: dict[int, tuple] = {}
-        self.regathered: dict[int, tuple] = {}  # forward bucket's address -> (its shard, the regathered bucket)
+        self.regathered: dict[bool, tuple] = {}  # frozen? -> (the shard, its regathered bucket)
         self._observing = None
         self._hooks = None
 
@@ -68,8 +72,8 @@ class Zero3Regather:
             self._hooks = self._observing = None
         last, self._last = self._last, None
         if last is not None and exc[0] is None:  # backward's first regather, served from the forward's copy
-            ptr = last.untyped_storage().data_ptr()
-            self.regathered = {ptr: (self.buckets[ptr][1][0], last)}
+            shard = self.buckets[last.untyped_storage().data_ptr()][1][0]
+            self.regathered = {not shard.requires_grad: (shard, last)}
 
     def _observe_last(self, out, *rest) -> None:
         self._observe(out, *rest)
@@ -94,14 +98,15 @@ class Zero3Regather:
     def _unpack(self, saved):
         if not (isinstance(saved, tuple) and saved and saved[0] == "zero3"):
             return saved
-        _, ptr, (shard, group, dim, dtype, comm_dtype), offset, shape, stride = saved
-        # keyed by the forward bucket's address and checked against its shard: a later bucket (another
-        # microbatch's, another layer's) can be gathered at an address a freed one had
-        held = self.regathered.get(ptr)
+        _, _, (shard, group, dim, dtype, comm_dtype), offset, shape, stride = saved
+        # known by its shard (a forward bucket's address can be reused by a later bucket; the shard does not
+        # change within a backward)
+        frozen = not shard.requires_grad
+        held = self.regathered.get(frozen)
         if held is None or held[0] is not shard:
-            self.regathered.clear()  # backward has moved on to another bucket
+            self.regathered.pop(frozen, None)  # backward has moved on to another bucket of this kind: free it first
             with torch.no_grad():
-                held = self.regathered[ptr] = (shard, gather_params(shard.detach(), group, dim, dtype, comm_dtype))
+                held = self.regathered[frozen] = (shard, gather_params(shard.detach(), group, dim, dtype, comm_dtype))
         return held[1].as_strided(shape, stride, offset)
 
 

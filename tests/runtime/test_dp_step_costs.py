@@ -166,3 +166,33 @@ def test_regather_tells_a_bucket_from_a_later_one_at_the_same_address(monkeypatc
     assert torch.equal(first, torch.cat([small, small]))
     second = regather._unpack(("zero3", ptr, (large, "dp:0", 0, torch.float32, None), 4, (4, 4), (1, 4)))
     assert torch.equal(second, torch.cat([large, large]).as_strided((4, 4), (1, 4), 4))
+
+
+def test_regather_holds_a_frozen_and_a_trained_bucket_apart(monkeypatch):
+    """A LoRA layer under ZeRO-3 has a bucket of frozen base weights and one of trained adapters, which its
+    backward reads in turn (base, adapter, base, ...): each is gathered once, and moving on to the next frozen
+    bucket frees the last one."""
+    import fxpar.runtime.zero3 as z3
+
+    calls = []
+
+    def gather(shard, group, dim, dtype, comm=None):
+        calls.append(shard.data_ptr())
+        return torch.cat([shard, shard])
+    monkeypatch.setattr(z3, "gather_params", gather)
+    regather = Zero3Regather()
+    base, adapter, next_base = torch.arange(4.0), torch.ones(2, requires_grad=True), torch.arange(8.0, 12.0)
+
+    def read(shard, ptr):
+        return regather._unpack(("zero3", ptr, (shard, "dp:0", 0, torch.float32, None), 0, (4,), (1,)))
+    for _ in range(3):
+        assert torch.equal(read(base, 1), torch.arange(4.0))
+        assert torch.equal(read(adapter, 2), torch.ones(4))
+    assert calls == [base.data_ptr(), adapter.data_ptr()]
+    read(next_base, 3)
+    assert calls == [base.data_ptr(), adapter.data_ptr(), next_base.data_ptr()]
+    assert regathered_shards(regather) == {"trained": id(adapter), "frozen": id(next_base)}
+
+
+def regathered_shards(regather) -> dict:
+    return {"frozen" if frozen else "trained": id(held[0]) for frozen, held in regather.regathered.items()}
