@@ -115,14 +115,16 @@ class FxparRunner:
 
 
 class TorchRunner:
-    def __init__(self, schedule: str, batch: dict, microbatches: int):
+    def __init__(self, schedule: str, batch: dict, microbatches: int, model: torch.nn.Module | None = None):
+        """``model``: the HF causal LM to split (default: a fresh one of ``MODEL_CONFIG``)."""
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.batch, self.m = batch, microbatches
-        wrapper = LogitsOnly(_build_model())  # fresh: pipeline() patches the split module in place
+        model = _build_model() if model is None else model
+        wrapper = LogitsOnly(model)  # fresh: pipeline() patches the split module in place
         mb_ids = batch["input_ids"].chunk(microbatches)[0]
-        k = MODEL_CONFIG["num_hidden_layers"] // 2
+        k = model.config.num_hidden_layers // 2
         t0 = time.perf_counter()
         with torch.no_grad():  # transformers 5.x Llama fails at run time when traced with grad on
             pipe = pipeline(wrapper, mb_args=(mb_ids,), split_spec={f"model.layers.{k}": SplitPoint.BEGINNING})
