@@ -126,11 +126,11 @@ NOTES = """Reading the table. Freezing takes the base's gradients, their reducti
 every rank: what a rank holds between steps falls from 4 x its weights' shard (482 MiB) to its shard (161 MiB)
 plus the adapters' weights, gradients and states (under 10 MiB). What stays is the step's activations, the
 same for LoRA as for full fine-tuning, and at this batch (4 x 128 tokens over 4 ranks) they are as large as the
-base's shard: the ratio full / LoRA grows with the model and falls with the batch. The prediction of the LoRA
-run under `dp=4,zero=3` is short of the measured peak by 110 MiB, close to one gathered bucket of the embedding
-or the head (125 MiB); where it goes is not found yet. A candidate, not checked: with a frozen base each
-layer's backward reads two buckets, the frozen weights' and the adapters', and ZeRO-3's regathering
-(`runtime/zero3.py`) switches between them, where the cost model prices one gathered bucket."""
+base's shard: the ratio full / LoRA grows with the model and falls with the batch. Under `dp=4,zero=3` the
+LoRA step peaks where its forward gathers the head's bucket (125 MiB, the vocabulary's 32000 x 1024): gloo
+gathers through a flat buffer of the output's size, so the bucket is there twice on top of the forward's
+activations (the profile's `gather_scratch`, priced since 2026-11-27: 436 MiB predicted before, against 546
+measured). That peak is also why the bound, which counts no gathered bucket, is under the measured peak there."""
 
 
 def main() -> None:
