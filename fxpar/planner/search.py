@@ -306,8 +306,10 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=Fal
             others = tuple(n for n, r in SCHEDULE_RECORDS.items() if r.searched and n != base.schedule)
             got, why = schedule_variants(base, others, len(costs.layers) + 2)
             excluded += why
+            # the other schedules with the cp attention that won under 1F1B (it moves the same bytes under any)
+            won = min((e for e in first[m] if e.fits), key=lambda e: e.step_time).plan.cp_attention
             for g in got:
-                for (sp, z, rc, r, e, q), a in product(vs, modes):
+                for (sp, z, rc, r, e, q), a in product(vs, (won,)):
                     plan = replace(g, dp=dp // e, ep=e, zero=z, sequence_parallel=sp, recompute=rc, dp_replicate=r,
                                    comm_dtype=q, cp_attention=a)
                     priced.append(pricer.price(plan, exact=False))
