@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import sys
 import tempfile
@@ -193,7 +194,8 @@ def markdown(results: dict, args, load: tuple[float, float], command: str) -> st
     lines = [SECTION, "",
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} "
              f"{os.cpu_count()} cores ({platform.node()}), torch {torch.__version__}, transformers "
-             f"{transformers.__version__}; 1-minute load average {load[0]:.1f} before, {load[1]:.1f} after; "
+             f"{transformers.__version__}, `FXPAR_PROGRAM_CACHE={os.environ.get('FXPAR_PROGRAM_CACHE', 'off')}`; "
+             f"1-minute load average {load[0]:.1f} before, {load[1]:.1f} after; "
              f"`{command}`. {model[0].upper() + model[1:]}, the ep pair a small Mixtral (4 experts, top 2, "
              f"hidden 128, 4 layers), global batch {mvp.BATCH} x {TINY_SEQ if args.tiny else mvp.SEQ}, AdamW, "
              f"gloo, each pair in its own fresh processes with fxpar and the peer in the same ones. Step: median "
@@ -253,7 +255,7 @@ def main() -> None:
     from fxpar.testing.multiproc import RankFailure, RankPool, set_preload
 
     set_preload(mvp.LIBRARIES)
-    command = "python bench/vs_peers.py " + " ".join(sys.argv[1:])
+    command = shlex.join(["python", "bench/vs_peers.py", *sys.argv[1:]])
     config, seq = (TINY, TINY_SEQ) if a.tiny else (mvp.CONFIG, mvp.SEQ)
     wanted = [p for p in PAIRS if re.search(a.pairs, p[0])]
     load = os.getloadavg()[0]
