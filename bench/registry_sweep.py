@@ -34,7 +34,7 @@ from _tiny_configs import VOCAB, tiny_config  # bench/ is sys.path[0]
 
 MARK = "@@RESULT "
 SECTION = "## Registry sweep"
-DATE = "2026-11-23"
+DATE = __import__("datetime").date.today().isoformat()  # the day the table is written
 BATCH, SEQ, TOL = 2, 8, 1e-5
 
 def _tensor_leaves(out):
@@ -239,7 +239,9 @@ def summarise(results: list[dict]) -> tuple[str, str]:
     exact = [r for r in results if r["status"] == "export-exact"]
     ok = [r["arch"] for r in exact if r.get("fxpar") == "equal"]
     mla = [r for r in results if r.get("dv_ne_dqk")]
-    line = f"{len(exact)} of {len(results)} export exactly; fxpar.trace reproduces {len(ok)} of {len(exact)}"
+    equal = sum(1 for r in results if r.get("fxpar") == "equal")
+    line = (f"{len(exact)} of {len(results)} export exactly; fxpar.trace reproduces {len(ok)} of {len(exact)}; "
+            f"fxpar.trace equal to eager on {equal} of {len(results)}")
     rows = ["| architecture | class | torch.export | why | fxpar.trace | why / worst difference |",
             "|---|---|---|---|---|---|"]
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
