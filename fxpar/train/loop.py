@@ -198,11 +198,8 @@ class FineTune:
         total = a.steps
         self.scheduler = optim.make_scheduler(self.compiled.optimizer, a.lr_scheduler,
                                               optim.warmup_steps(a.warmup, total), total, a.lr)
-        if "scheduler" in extra:
-            self.scheduler.load_state_dict(extra["scheduler"])
-            # building the schedule set the warm-up's first rate: the saved step's rate goes back in
-            for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr()):
-                group["lr"] = lr
+        if "scheduler" in extra:  # (building the schedule set the warm-up's first rate: the saved step's goes in)
+            optim.load_schedule(self.scheduler, extra["scheduler"])
         self.log = M.MetricsLog(a.metrics_out, a.tensorboard, self.rank)
         self.saver = saving.Saver(a, self.rank)
         # tokens seen before this run: saved with the checkpoint (older ones: every step's full batch)

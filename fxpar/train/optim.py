@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from fxpar.ir.errors import PlanError
@@ -50,6 +52,24 @@ def check_schedule(name: str, warmup: float, total: int) -> None:
     if name not in SCHEDULES:
         raise PlanError(f"--lr-scheduler {name!r}: one of {', '.join(SCHEDULES)}")
     warmup_steps(warmup, total)
+
+
+def load_schedule(scheduler, state: dict) -> None:
+    """Put ``scheduler`` at the step a saved scheduler's ``state`` had reached, and its optimizer's groups at
+    that step's rates. The saved per-group rates are the saving rank's: a rank of another plan (another
+    pipeline stage, or none with trainable parameters) has other groups, so where their number differs only
+    the position in the schedule carries over and the rates are this rank's own at that position."""
+    groups = scheduler.optimizer.param_groups
+    if len(state.get("base_lrs", ())) != len(groups):
+        state = {k: v for k, v in state.items() if k in ("last_epoch", "_step_count")}
+        scheduler.load_state_dict({**scheduler.state_dict(), **state})
+        with warnings.catch_warnings():  # get_lr() outside step(): the rates at the loaded position
+            warnings.simplefilter("ignore")
+            scheduler._last_lr = scheduler.get_lr()
+    else:
+        scheduler.load_state_dict(state)
+    for group, rate in zip(groups, scheduler.get_last_lr()):
+        group["lr"] = rate
 
 
 def make_scheduler(optimizer, name: str, warmup: int, total: int, lr: float):
