@@ -37,7 +37,7 @@ from fxpar.ir import fused_ops, meta
 from fxpar.ir.analysis import grad_sources
 from fxpar.ir.meta import NodeCost
 from fxpar.ir.numeric import nbytes, to_int
-from fxpar.ir.op_classes import MOVE_OPS, READ_BOUND, VIEW_OPS
+from fxpar.ir.op_classes import LOGITS_BUFFERED, MOVE_OPS, READ_BOUND, VIEW_OPS
 from fxpar.ir.ops import collective_kind
 from fxpar.ir.program import Program, subgraphs_of
 
@@ -226,7 +226,7 @@ def _priced(node: torch.fx.Node, needs_grad: bool) -> NodeCost:
         return NodeCost(fwd, 0, 0, 0)
     read = sum(_nbytes(t) for t in _tensors((args, kwargs)))
     written = sum(_nbytes(t) for t in _tensors(out))
-    if _packet(node.target) is aten.cross_entropy_loss:  # its log-softmax buffer, the size of the logits
+    if _packet(node.target) in LOGITS_BUFFERED:  # its log-softmax buffer, the size of the logits
         written += _nbytes(_tensors(args)[0])
     bwd = _backward_flops(kind, fwd, args) if needs_grad else 0
     return NodeCost(fwd, bwd, read, written)

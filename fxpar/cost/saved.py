@@ -24,18 +24,18 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fxpar.ir import meta
 from fxpar.ir.analysis import grad_flow
 from fxpar.ir.numeric import nbytes, to_int
-from fxpar.ir.op_classes import GRAD_READS_INPUT, GRAD_READS_OUTPUT, GRAD_READS_SHAPES
+from fxpar.ir.op_classes import (
+    GRAD_READS_CROSS,
+    GRAD_READS_INDEX,
+    GRAD_READS_INPUT,
+    GRAD_READS_OUTPUT,
+    GRAD_READS_SHAPES,
+)
 from fxpar.ir.program import Program
 
 aten = torch.ops.aten
 
-# what each op's backward reads: by op set (fxpar.ir.op_classes.GRAD_READS_*), or by these tables of
-# operand positions. Each operand is kept when the other one needs a gradient (the product rule):
-_CROSS = {aten.linear: (0, 1), aten.matmul: (0, 1), aten.mm: (0, 1), aten.bmm: (0, 1), aten.mul: (0, 1),
-          aten.addmm: (1, 2), aten.baddbmm: (1, 2)}
-# the backward reads an index or mask operand (position)
-_INDEX = {aten.embedding: 1, aten.index: 1, aten.gather: 2, aten.index_select: 2, aten.where: 0,
-          aten.masked_fill: 1, aten.scatter: 2, aten.nll_loss: 1, aten.nll_loss_nd: 1}
+# what each op's backward reads: by op set or table of operand positions (fxpar.ir.op_classes.GRAD_READS_*)
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,8 @@ class SavedTensors:
         if pkt is None or str(pkt).startswith("fxpar."):  # getitem, higher-order ops, collectives: nothing
             return []
         args = node.args
-        if pkt in _CROSS:
-            i, j = _CROSS[pkt]
+        if pkt in GRAD_READS_CROSS:
+            i, j = GRAD_READS_CROSS[pkt]
             needs = [isinstance(args[k], torch.fx.Node) and args[k] in self.flows for k in (i, j)]
             return self._operands(node, [p for p, other in ((i, needs[1]), (j, needs[0])) if other])
         if pkt in GRAD_READS_SHAPES or pkt is operator.getitem:
@@ -127,8 +127,8 @@ class SavedTensors:
             return self.value(node)
         if pkt in GRAD_READS_INPUT:
             return self._operands(node, [0])
-        if pkt in _INDEX:
-            return self._operands(node, [_INDEX[pkt]])
+        if pkt in GRAD_READS_INDEX:
+            return self._operands(node, [GRAD_READS_INDEX[pkt]])
         return self._special(node, pkt)
 
     def _special(self, node: torch.fx.Node, pkt) -> list[Kept]:

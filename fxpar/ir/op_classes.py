@@ -62,6 +62,13 @@ PASS_THROUGH = frozenset({aten.contiguous, aten.alias, aten.clone, aten.detach, 
 ASSERTS = frozenset({aten._assert_tensor_metadata})
 # cut a tensor into pieces along one dim (slice is a split with one piece, handled alongside)
 SPLITS = frozenset({aten.chunk, aten.split, aten.split_with_sizes})
+# argument names of the split-like ops (and slice), to read them whether given by position or by keyword
+SPLIT_ARGS = {aten.chunk: ("self", "chunks", "dim"), aten.split: ("self", "split_size", "dim"),
+              aten.split_with_sizes: ("self", "split_sizes", "dim"),
+              aten.slice: ("self", "dim", "start", "end", "step")}
+# convolutions: the groups argument's position (conv1d/conv2d(input, weight, bias, stride, padding, dilation,
+# groups); convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups))
+CONV_GROUPS_AT = {aten.conv1d: 6, aten.conv2d: 6, aten.convolution: 8}
 REDUCTIONS = frozenset({aten.mean, aten.sum, aten.amax, aten.amin})
 SOFTMAX = frozenset({aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax})
 # copies and casts of one tensor (PASS_THROUGH but dropout, which is not linear and draws a mask)
@@ -111,6 +118,12 @@ GRAD_READS_OUTPUT = frozenset({aten.rsqrt, aten.sqrt, aten.exp, aten.tanh, aten.
 GRAD_READS_INPUT = frozenset({aten.pow, aten.silu, aten.gelu, aten.log, aten.log1p, aten.sin, aten.cos, aten.erf,
                               aten.abs, aten.softplus, aten.leaky_relu, aten.mish, aten.elu, aten.hardtanh,
                               aten.square, aten.amax, aten.amin})
+# the backward reads each of two operands when the other needs a gradient (the product rule): their positions
+GRAD_READS_CROSS = {aten.linear: (0, 1), aten.matmul: (0, 1), aten.mm: (0, 1), aten.bmm: (0, 1), aten.mul: (0, 1),
+                    aten.addmm: (1, 2), aten.baddbmm: (1, 2)}
+# the backward reads an index or mask operand: its position
+GRAD_READS_INDEX = {aten.embedding: 1, aten.index: 1, aten.gather: 2, aten.index_select: 2, aten.where: 0,
+                    aten.masked_fill: 1, aten.scatter: 2, aten.nll_loss: 1, aten.nll_loss_nd: 1}
 # the backward needs shapes only
 GRAD_READS_SHAPES = VIEW_OPS | frozenset({
     aten.add, aten.sub, aten.rsub, aten.neg, aten.cat, aten.stack, aten.sum, aten.mean, aten.clone,
@@ -155,9 +168,10 @@ LAYOUT_CHAIN = SAME_ORDER_RESHAPES | PASS_THROUGH | {aten.expand, aten.transpose
 LAST_DIM_NORMS = frozenset({aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten._fused_rms_norm})
 # reductions and scans along the dims their second argument names
 DIM_REDUCTIONS = REDUCTIONS | SOFTMAX | {aten.var, aten.std, aten.cumsum, aten.argmax, aten.any, aten.all}
-# ops whose work is over their input, not their (smaller) output: reductions, and the cross-entropy loss,
-# which takes a log-softmax of its logits into a buffer of their size before it picks one per row
-READ_BOUND = REDUCTIONS | {aten.var, aten.std, aten.logsumexp, aten.cross_entropy_loss}
+# losses that take a log-softmax of their logits into a buffer of their size before they pick one per row
+LOGITS_BUFFERED = frozenset({aten.cross_entropy_loss})
+# ops whose work is over their input, not their (smaller) output: reductions, and those losses
+READ_BOUND = REDUCTIONS | LOGITS_BUFFERED | {aten.var, aten.std, aten.logsumexp}
 # views that keep, move or cut dims
 DIM_VIEWS = SAME_ORDER_RESHAPES | SHAPE_ARG_OPS | {aten.transpose, aten.permute, aten.t, aten.slice, aten.select}
 

@@ -39,6 +39,7 @@ from fxpar.ir.op_classes import (
     REDUCTIONS,
     RESHAPES,
     SOFTMAX,
+    SPLIT_ARGS,
     SPLITS,
     is_pointwise,
     packet,
@@ -53,10 +54,6 @@ aten = torch.ops.aten
 # (the dim's size: it must stay uncut), or None to keep following the value
 PIECE_UNITS: dict[object, Callable[[torch.fx.Node, int], int | None]] = {}
 
-# argument names of the split-like ops, to read them whether given by position or by keyword
-SPLIT_ARGS = {aten.chunk: ("self", "chunks", "dim"), aten.split: ("self", "split_size", "dim"),
-              aten.split_with_sizes: ("self", "split_sizes", "dim"),
-              aten.slice: ("self", "dim", "start", "end", "step")}
 
 
 def split_args(node: torch.fx.Node) -> dict:

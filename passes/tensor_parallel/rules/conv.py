@@ -13,24 +13,22 @@ from __future__ import annotations
 import torch
 
 from fxpar.ir import meta
+from fxpar.ir.op_classes import CONV_GROUPS_AT
 from fxpar.ir.placement import Shard
 from fxpar.passes.tensor_parallel.rules.pointwise import pointwise_or_gather
 from fxpar.passes.tensor_parallel.rules.registry import rule
 
 aten = torch.ops.aten
 
-# the groups argument's position: conv1d/conv2d(input, weight, bias, stride, padding, dilation, groups);
-# convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
-_GROUPS_AT = {aten.conv1d: 6, aten.conv2d: 6, aten.convolution: 8}
 
 
-@rule(*_GROUPS_AT)
+@rule(*CONV_GROUPS_AT)
 def convolution(rw, old, args, kwargs):
     """Input ``Shard(channel)`` (or a weight already cut by output channels) with groups divisible by tp:
     this rank's channels, weight and bias rows sliced to them, ``groups / tp``; ``Shard(channel)`` out.
     Anything else: replicated inputs."""
     pkt = old.target.overloadpacket
-    at = _GROUPS_AT[pkt]
+    at = CONV_GROUPS_AT[pkt]
     args = list(args) + [None] * (at + 1 - len(args))
     groups = args[at] if args[at] is not None else kwargs.get("groups", 1)
     x, w, b = args[0], args[1], args[2]
