@@ -16,6 +16,11 @@ Writes: one ``GraphModule`` per stage (node meta copied) and the routing tables 
   are copied into that stage. Any other value computed on one stage and read by later ones (the hidden
   state, anything that depends on a parameter) is an output of its stage, sent straight to every stage
   that reads it, not relayed stage by stage; ``fxpar.cost.boundary.routed_bytes`` counts the same sends.
+- A Python scalar read by a later stage: one the trace knew (a plain int in ``val``) is baked into the
+  reading stage as a constant argument; a symbolic one (a data-dependent size, ``u0`` from an ``.item()``
+  whose cone reads a parameter, so the reading stage cannot make it again) is an output like a tensor,
+  which the pipeline runtime carries as a 0-d tensor and hands over as a Python scalar again
+  (:mod:`fxpar.runtime.pipeline`, which also sends a tensor of a symbolic shape after its shape).
 - ``fxpar.ir.analysis.grad_flow`` marks values through which a gradient flows (they depend on a trainable parameter);
   only those get gradients sent back.
 
@@ -53,6 +58,18 @@ def set_nested(root: torch.nn.Module, fqn: str, value) -> None:
         setattr(mod, last, value)
 
 
+def _static_scalar(node: torch.fx.Node) -> bool:
+    """A value the trace knew as a plain Python int, float or bool (not a symbol): the same for every
+    microbatch of this program's signature, so a reading stage takes it as a constant argument."""
+    return type(node.meta.get(meta.VAL)) in (int, float, bool)
+
+
+def _differentiable(val) -> bool:
+    if val is None:  # not known: as before
+        return True
+    return isinstance(val, torch.Tensor) and (val.dtype.is_floating_point or val.dtype.is_complex)
+
+
 def split_pipeline(program: Program, cuts: list[tuple[str, str]], stage_to_rank: list[int]) -> PipelineProgram:
     if len(stage_to_rank) != len(cuts) + 1:
         raise PlanError(f"{len(cuts)} cuts make {len(cuts) + 1} stages, but {len(stage_to_rank)} were placed")
@@ -69,7 +86,9 @@ def split_pipeline(program: Program, cuts: list[tuple[str, str]], stage_to_rank:
         for n in nodes[bounds[s]:bounds[s + 1]]:
             stage_of[n] = s
     n_stages = len(bounds) - 1
-    grad = grad_flow(program)
+    # a gradient crosses back only for a floating tensor: an int (a size) or an index tensor that depends on a
+    # parameter is in grad_flow's cone but has no gradient to send
+    grad = {n for n in grad_flow(program) if _differentiable(n.meta.get(meta.VAL))}
     recompute = recomputable(program)
     binding = {b.placeholder: b for b in program.inputs}
     output_node = next(n for n in program.graph.nodes if n.op == "output")
@@ -85,8 +104,8 @@ def split_pipeline(program: Program, cuts: list[tuple[str, str]], stage_to_rank:
                 if user.op != "output" and stage_of[user] < stage_of[node]:
                     raise PlanError(f"node {node.name} ({node.meta.get(meta.MODULE)}) on stage "
                                     f"{stage_of[node]} feeds {user.name} on earlier stage {stage_of[user]}")
-                if user.op != "output" and node in recompute:
-                    continue  # the reading stage makes it again
+                if user.op != "output" and (node in recompute or _static_scalar(node)):
+                    continue  # the reading stage makes it again, or reads it as a constant
                 if node not in consumers:
                     consumers[node] = set()
                     outputs[stage_of[node]].append(node)
@@ -123,6 +142,9 @@ def split_pipeline(program: Program, cuts: list[tuple[str, str]], stage_to_rank:
             elif a.op == "get_attr":  # a higher-order op's body
                 set_nested(root, a.target, getattr(program.gm, a.target))
                 new = g.get_attr(a.target)
+            elif _static_scalar(a):  # a Python scalar the trace knew: a constant in this stage
+                env[a] = a.meta[meta.VAL]
+                return env[a]
             elif a in recompute:  # copy the nodes it is made from into this stage
                 for b in a.all_input_nodes:
                     bring(b)

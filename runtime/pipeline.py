@@ -16,6 +16,14 @@ posted in exactly the order the sender sends. That matching rule works for NCCL 
 as for gloo. Sends are asynchronous; a rank blocks only when it needs a value, with a timeout that
 names the value and the rank it waited for. The transfers are the ``send`` pattern's wire
 (:mod:`fxpar.runtime.dist_calls`).
+
+Python scalars and symbolic sizes: a stage may hand a later one a Python int the trace could not know (``u0``
+from an ``.item()`` whose cone reads a parameter, so the reader cannot make it again; an int the trace knew is
+baked into the reader by :mod:`fxpar.passes.pipeline_split`), and tensors sized by it. The wire moves tensors of
+a size both ends know, so such a scalar (a ``SymInt``, ``SymFloat`` or ``SymBool`` ``val``) travels as a 0-d
+tensor and is a Python scalar again on arrival, and a tensor whose ``val`` shape holds a symbol is preceded by
+its shape (a 1-D int64 message), which the receiver waits for before it sizes the buffer. Both ends read the
+same ``val``, so they agree on which messages carry a shape.
 """
 
 from __future__ import annotations
@@ -32,6 +40,26 @@ from fxpar.ir.errors import CollectiveError, PipelineError
 from fxpar.ir.schedule import Action
 from fxpar.ir.stage import PipelineProgram, StageSpec
 from fxpar.runtime import dist_calls
+
+_SCALAR_WIRE = {int: torch.int64, float: torch.float64, bool: torch.int64}  # what each scalar travels as
+
+
+def _scalar_kind(val) -> type:
+    """The Python type a non-tensor stage output carries (its ``val``: a ``SymInt``, ``SymFloat``, ``SymBool``)."""
+    for sym, kind in ((torch.SymBool, bool), (torch.SymInt, int), (torch.SymFloat, float), (bool, bool),
+                      (int, int), (float, float)):
+        if isinstance(val, sym):
+            return kind
+    raise PipelineError(f"a pipeline stage output of type {type(val).__name__} ({val!r}) cannot cross a stage "
+                        "boundary: only tensors and Python scalars can")
+
+
+def _static_shape(val: torch.Tensor) -> bool:
+    return all(isinstance(d, int) for d in val.shape)
+
+
+def _detached(value):
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 @dataclass(frozen=True)
@@ -76,15 +104,28 @@ class Transport:
         self.inbox: dict[_Msg, tuple[torch.Tensor, object]] = {}
         self.pending_sends: list = []
 
-    def _buffer(self, msg: _Msg) -> torch.Tensor:
-        val = self.pprog.stages[msg.stage].output_val(msg.index)
-        return torch.empty(val.shape, dtype=val.dtype, device=self.device)
+    def _val(self, msg: _Msg):
+        return self.pprog.stages[msg.stage].output_val(msg.index)
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        tensor = tensor.detach().contiguous()
+    def send(self, value, dst: int, msg: _Msg) -> None:
+        """``value`` (a tensor, or a Python scalar where the producer's ``val`` is symbolic) to pipeline rank
+        ``dst``; a tensor of a symbolic shape after its shape."""
+        val = self._val(msg)
+        if not isinstance(val, torch.Tensor):
+            value = torch.tensor(value, dtype=_SCALAR_WIRE[_scalar_kind(val)], device=self.device)
+        elif not _static_shape(val):
+            self._post_send(torch.tensor(value.shape, dtype=torch.int64, device=self.device), dst)
+        self._post_send(value.detach().contiguous(), dst)
+
+    def _post_send(self, tensor: torch.Tensor, dst: int) -> None:
         self.pending_sends.append((dist_calls.send(tensor, self.ranks[dst], self.group, async_op=True), tensor))
 
-    def recv(self, msg: _Msg, src: int) -> torch.Tensor:
+    def _post_recv(self, shape, dtype, src: int):
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        return buf, dist_calls.recv(buf, self.ranks[src], self.group, async_op=True)
+
+    def recv(self, msg: _Msg, src: int):
+        """The message ``msg`` from pipeline rank ``src``: a tensor, or the Python scalar it carries."""
         queue = self.expected.get(src, [])
         while msg not in self.inbox:
             k = self.posted[src]
@@ -92,10 +133,22 @@ class Transport:
                 raise PipelineError(f"rank {self.me} waits for {msg} from pipeline rank {src}, which never sends it "
                                     "(schedule and routing disagree)")
             m = queue[k]
-            buf = self._buffer(m)
-            self.inbox[m] = (buf, dist_calls.recv(buf, self.ranks[src], self.group, async_op=True))
+            val = self._val(m)
+            if not isinstance(val, torch.Tensor):
+                self.inbox[m] = self._post_recv((), _SCALAR_WIRE[_scalar_kind(val)], src)
+            elif _static_shape(val):
+                self.inbox[m] = self._post_recv(val.shape, val.dtype, src)
+            else:  # its shape first: the receives from one rank are matched in the order they are posted
+                shape, work = self._post_recv((val.dim(),), torch.int64, src)
+                self._wait(work, m, src)
+                self.inbox[m] = self._post_recv(shape.tolist(), val.dtype, src)
             self.posted[src] = k + 1
         buf, work = self.inbox.pop(msg)
+        self._wait(work, msg, src)
+        val = self._val(msg)
+        return buf if isinstance(val, torch.Tensor) else _scalar_kind(val)(buf.item())
+
+    def _wait(self, work, msg: _Msg, src: int) -> None:
         try:
             work.wait(self.timeout)
         except Exception as error:
@@ -106,7 +159,6 @@ class Transport:
                 f"{self.timeout.total_seconds():.0f} s) waiting for {msg.kind} of stage {msg.stage} output "
                 f"{msg.index}, microbatch {msg.mb}, from pipeline rank {src} (global {self.ranks[src]}): "
                 f"that rank died or is stuck ({type(exc).__name__}: {exc})") from exc
-        return buf
 
     def finish(self) -> None:
         for work, _ in self.pending_sends:
@@ -196,11 +248,11 @@ class PipelineRuntime:
                 for i, (o, cons) in enumerate(zip(outs, spec.consumers)):
                     for dst in sorted({self.rank_of[c] for c in cons}):
                         if dst == self.me:
-                            acts[(act.stage, i, act.mb)] = o.detach()
+                            acts[(act.stage, i, act.mb)] = _detached(o)
                         else:
-                            transport.send(o, dst)
+                            transport.send(o, dst, _Msg("act", act.stage, i, act.mb))
                 for j, i in spec.final.items():
-                    outputs[act.mb][j] = outs[i].detach()
+                    outputs[act.mb][j] = _detached(outs[i])
                 if train:
                     saved[key] = (args, outs)
                     if loss_pos is not None and loss_pos in spec.final:
@@ -251,7 +303,8 @@ class PipelineRuntime:
                     if self.rank_of[ref.stage] == self.me:
                         grads[(ref.stage, ref.index, act.mb, act.stage)].append(g.detach())
                     else:
-                        transport.send(g, self.rank_of[ref.stage])
+                        msg = _Msg("grad", ref.stage, ref.index, act.mb, act.stage)
+                        transport.send(g, self.rank_of[ref.stage], msg)
             elif act.kind == "W":
                 groups = pending_w.pop(key)
                 if groups is not None:

@@ -8,6 +8,8 @@ compiled for all schedules (``compile(..., program=...)``).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -253,3 +255,68 @@ def uneven_labels() -> tuple[float, float, float]:
 def test_loss_weights_follow_counted_label_tokens(pool2):
     for loss, ref_loss, grad in pool2.run(uneven_labels, timeout=120):
         assert abs(loss - ref_loss) <= TOL and grad <= TOL, (loss, ref_loss, grad)
+
+
+# ---- a Python int across a cut --------------------------------------------------------------------------
+class _Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.score = torch.nn.Linear(6, 6), torch.nn.Linear(6, 1)
+
+    def forward(self, x):
+        n = (self.score(x) > 0).sum(1).max().item()  # a size only the data (and a parameter) knows
+        return self.proj(x)[:, :n], n
+
+
+class _Tail(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = torch.nn.Linear(6, 6)
+
+    def forward(self, h, n):
+        return self.out(h.reshape(h.shape[0] * n, 6)).pow(2).sum() / n  # n as a size and as a number
+
+
+class IntAcrossCut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Head(), _Tail()])
+
+    def forward(self, x):
+        return {"loss": self.layers[1](*self.layers[0](x))}
+
+
+def _int_model_and_batch():
+    torch.manual_seed(0)
+    model = IntAcrossCut()
+    with torch.no_grad():
+        model.layers[0].score.weight.fill_(1.0)
+        model.layers[0].score.bias.zero_()
+    x = torch.randn(4, 8, 6).abs()
+    for row, positive in enumerate([3, 2, 5, 4]):  # microbatch 0 keeps 3 positions, microbatch 1 keeps 5
+        x[row, positive:] *= -1
+    return model, x
+
+
+def int_across_cut() -> dict:
+    model, x = _int_model_and_batch()
+    ref = copy.deepcopy(model)
+    ref_loss = sum(ref(x[i:i + 2])["loss"] for i in (0, 2)) / 2  # one process, the same two microbatches
+    ref_loss.backward()
+    plan = fxpar.Plan(pp=2, microbatches=2, split_points={"layers.1": "beginning"})
+    compiled = fxpar.compile(model, plan, example_kwargs={"x": x}, optimizer=_adamw, timeout=60)
+    loss = compiled.step(x=x)
+    got = compiled.full_state_dict(grads=True)
+    grads = {n: (got[n] - (p.grad if p.grad is not None else 0)).abs().max().item() for n, p in ref.named_parameters()}
+    sends = [(type(o.meta["val"]).__name__, c) for s in compiled.pipeline.stages
+             for o, c in zip(s.output_nodes(), s.consumers) if c]
+    return {"loss": abs(loss.item() - ref_loss.item()), "grads": grads, "sends": sends}
+
+
+def test_a_data_dependent_int_crosses_a_cut(pool2):
+    """A size made by ``.item()`` on stage 0 (from a parameter: stage 1 cannot make it again) is sent to stage 1
+    with the tensor it shapes; the two microbatches keep 3 and 5 positions, so an int baked at its traced value
+    would give other numbers. Loss and every gradient equal one process running the same microbatches."""
+    for r in pool2.run(int_across_cut, timeout=120):
+        assert r["loss"] <= TOL and max(r["grads"].values()) <= TOL, r
+        assert ("SymInt", [1]) in r["sends"] and ("FakeTensor", [1]) in r["sends"], r["sends"]
