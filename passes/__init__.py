@@ -19,6 +19,7 @@ from fxpar.ir.errors import PlanError
 from fxpar.ir.program import Program
 from fxpar.ir.resolved import zero3_bucket_bytes
 from fxpar.ir.stage import PipelineProgram
+from fxpar.passes import quantize_base as quantize_base_pass
 from fxpar.passes.collective_matmul import collective_matmul
 from fxpar.passes.context_parallel import check as context_parallel_check
 from fxpar.passes.context_parallel import context_parallel
@@ -89,15 +90,19 @@ def _split(program: Program, ctx: PassContext) -> PipelineProgram:
 def _zero3(stage, ctx: PassContext):
     plan = ctx.plan
     mesh = ctx.mesh  # sharded over the shard group: all of dp, or with HSDP (dp_replicate > 1) dp / dp_replicate
-    buckets = zero3(stage.gm, stage.params, mesh.dp_shard, mesh.dp_shard_rank, group=mesh.shard_group_name(),
+    # QLoRA's codes and scales (buffers), sharded and gathered as held: never cast, never in a wire format
+    held = quantize_base_pass.held_names(stage.gm, ctx) if plan.base_dtype is not None else []
+    buckets = zero3(stage.gm, stage.params + held, mesh.dp_shard, mesh.dp_shard_rank, group=mesh.shard_group_name(),
                     bucket_bytes=zero3_bucket_bytes(plan), prefetch=plan.prefetch,
                     cache=ctx.shared.setdefault("zero3", {}),
                     group_of=ctx.param_group,
                     compute_dtype=torch.bfloat16 if plan.mixed_precision == "bf16" else None,
                     comm_dtype=f"{plan.comm_dtype}+grads" if plan.quantize_grads else plan.comm_dtype,
-                    load_flat=_load_flat(ctx) if ctx.load_flat is not None else None, device=ctx.device)
+                    load_flat=_load_flat(ctx) if ctx.load_flat is not None else None, device=ctx.device,
+                    held=frozenset(held))
     ctx.out.zero3_buckets.setdefault(stage.index, buckets)
-    _release_sharded(ctx, [n for b in buckets for n in b.names])
+    _release_sharded(ctx, [n for b in buckets for n in b.names if n not in held])
+    quantize_base_pass.release(ctx, held)
     return stage
 
 

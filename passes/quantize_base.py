@@ -11,6 +11,11 @@ codes, ``<name>_int8_scales``, :func:`fxpar.ir.quant_ops.quantize_rows`) and eac
 signatures), so the rank holds codes and scales only. ``ctx.shared["quantized_base"]`` maps each FQN to its
 codes and scales, reused by every signature and stage of the rank.
 
+Under ZeRO-3 the frozen weights are still on meta here (``materialize_weights`` leaves parameters to zero3):
+each is read whole (this rank's TP shard, ``ctx.load``) one at a time, quantized and dropped; the zero3 pass
+then shards the codes and scales over dp in frozen buckets of their own (:func:`held_names`: gathered as held,
+never cast nor requantized for the wire, never reduce-scattered) and :func:`release` drops the whole ones.
+
 A frozen weight read by anything else (DoRA's weight norm, a matmul on a view of it) stays in full precision.
 """
 
@@ -38,11 +43,11 @@ def _attr(root: torch.nn.Module, fqn: str):
     return mod
 
 
-def quantizable(node: torch.fx.Node, t) -> bool:
+def quantizable(node: torch.fx.Node, t, loadable: bool = False) -> bool:
     """Whether ``node`` (a ``get_attr`` of ``t``) is a frozen floating matrix read only as a linear's weight or
-    an embedding's table."""
+    an embedding's table (on meta only where ``loadable``: its weights can be read)."""
     return (isinstance(t, torch.nn.Parameter) and not t.requires_grad and t.is_floating_point() and t.dim() == 2
-            and not t.is_meta and len(node.users) > 0
+            and (loadable or not t.is_meta) and len(node.users) > 0
             and all((u.target == _LINEAR and len(u.args) >= 2 and u.args[1] is node
                      and node not in (u.args[0], *u.args[2:]))
                     or (u.target == _EMBEDDING and u.args[0] is node and node not in u.args[1:])
@@ -57,8 +62,10 @@ def quantize_base(stage: StageSpec, ctx) -> StageSpec:
         fqn = node.target
         t = _attr(gm, fqn)
         if fqn not in done:
-            if not quantizable(node, t):
+            if not quantizable(node, t, ctx.load is not None):
                 continue
+            if t.is_meta:  # under ZeRO-3 (materialize_weights leaves parameters to zero3): read whole, quantized
+                t = ctx.load(list(ctx.program.params[fqn].fqns), ctx.out.tp.layout(fqn), like=t).to(ctx.device)
             done[fqn] = (*quant_ops.quantize_rows(t), t.shape[1])
             stand_in = torch.nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=False)
             ctx.program.set_tensor(fqn, stand_in)
@@ -89,8 +96,25 @@ def quantize_base(stage: StageSpec, ctx) -> StageSpec:
     return stage
 
 
+def held_names(gm: torch.fx.GraphModule, ctx) -> list[str]:
+    """The codes and scales ``gm`` reads (``<fqn>_int8``, ``<fqn>_int8_scales``): ZeRO-3 shards them over dp with
+    the parameters, gathered as held (``passes/zero3.py``'s ``held``)."""
+    done = ctx.shared.get("quantized_base", {})
+    return [n.target for n in gm.graph.nodes if n.op == "get_attr"
+            and n.target.removesuffix("_scales").removesuffix("_int8") in done]
+
+
+def release(ctx, names: list[str]) -> None:
+    """After ZeRO-3 sharded the codes and scales ``names``: the rank keeps meta stand-ins (their shapes, for
+    later signatures, which find the buckets in zero3's cache), not the whole tensors."""
+    done = ctx.shared.get("quantized_base", {})
+    for fqn in {n.removesuffix("_scales").removesuffix("_int8") for n in names} & done.keys():
+        codes, scales, in_features = done[fqn]
+        done[fqn] = (codes.to("meta"), scales.to("meta"), in_features)
+
+
 def check(program, ctx) -> None:
-    """``Plan(base_dtype="int8")`` needs frozen weight matrices (a PEFT model); zero=3 is refused by the Plan."""
+    """``Plan(base_dtype="int8")`` needs frozen weight matrices (a PEFT model)."""
     plan = ctx.plan
     frozen = [info.fqn for info in program.params.values()
               if not program.tensor(info.fqn).requires_grad and program.tensor(info.fqn).dim() == 2]

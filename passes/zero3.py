@@ -88,7 +88,7 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
           cache: dict[tuple, Zero3Bucket] | None = None,
           comm_dtype: str | None = None, group_of: Callable[[str], int] | None = None,
           load_flat: Callable[[str, torch.Tensor, int, int], torch.Tensor] | None = None,
-          device: torch.device | None = None) -> list[Zero3Bucket]:
+          device: torch.device | None = None, held: frozenset[str] = frozenset()) -> list[Zero3Bucket]:
     """Rewrite ``gm`` (a stage) so its parameters ``params`` (FQNs) are gathered from dp shards.
 
     ``compute_dtype``: gather (and compute with) parameters in this dtype, e.g. bf16 mixed precision;
@@ -98,19 +98,26 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
     writes the 4-argument node, full precision. ``group_of``: FQN -> optimizer parameter group; a bucket
     holds one group's parameters only (its flat shard goes into that group). ``load_flat(fqn, like, start,
     end)``: entries ``[start, end)`` of a meta parameter (a meta model's weights), read into the shard
-    (on ``device``) without the rest of it.
+    (on ``device``) without the rest of it. ``held``: frozen tensors of ``params`` gathered as they are held,
+    never cast to ``compute_dtype`` nor sent in ``comm_dtype``'s wire format (QLoRA's int8 codes and their
+    fp32 scales, buffers of ``gm``: ``passes/quantize_base.py``).
     Returns the stage's buckets; their ``shard`` parameters are what the optimizer updates."""
     cache = {} if cache is None else cache
     graph = gm.graph
     getters = {n.target: n for n in graph.nodes if n.op == "get_attr" and n.target in set(params)}
     order = [n.target for n in graph.nodes if n.op == "get_attr" and n.target in getters]
-    tensors = {name: gm.get_parameter(name) for name in order}
+    tensors = {name: gm.get_buffer(name) if name in held else gm.get_parameter(name) for name in order}
     position = _position(graph)
+
+    def gathered_as(n: str) -> tuple:  # the gather's cast and wire format
+        return (None, None) if n in held else (compute_dtype, comm_dtype)
     # frozen parameters (requires_grad=False) are sharded and gathered too, in buckets of their own: a frozen
-    # shard's gather records no backward, so its bucket is never reduce-scattered
+    # shard's gather records no backward, so its bucket is never reduce-scattered. Frozen tensors gathered
+    # alike share buckets (QLoRA's codes, their scales and the norms are three kinds under bf16)
     frozen = {n for n in order if not tensors[n].requires_grad}
     groups = buckets_of(order, tensors, bucket_bytes,
-                        lambda n: (group_of(n) if group_of is not None and n not in frozen else 0, n in frozen))
+                        lambda n: (group_of(n) if group_of is not None and n not in frozen else 0, n in frozen,
+                                   *((tensors[n].dtype, *gathered_as(n)) if n in frozen else ())))
     # the node that first reads each bucket's parameters, and the buckets in the order the graph reads them
     first_use = [min((u for n in names for u in getters[n].users), key=position) for names in groups]
     order = sorted(range(len(groups)), key=lambda i: position(first_use[i]))
@@ -128,14 +135,15 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
         bucket, names, attr = buckets[i], groups[i], f"_zero3_{i}"
         # issued where the bucket ``prefetch`` places earlier in the graph's order starts being read
         anchor = first_use[order[k - prefetch]] if prefetch and k >= prefetch else first_use[i]
+        cast, wire = gathered_as(names[0])
         with graph.inserting_before(anchor):
             shard = graph.get_attr(attr)
-            args = (shard, group, 0, compute_dtype) + ((comm_dtype,) if comm_dtype else ())
+            args = (shard, group, 0, cast) + ((wire,) if wire else ())
             full = graph.call_function(gather_params_op(), args)
             full.meta[meta.ZERO3_BUCKET] = tuple(names)
         # shapes on the new nodes (meta tensors), as every other node carries them
         shard.meta[meta.VAL] = torch.empty_like(bucket.shard, device="meta")
-        dtype = compute_dtype or bucket.shard.dtype
+        dtype = cast or bucket.shard.dtype
         full.meta[meta.VAL] = torch.empty(bucket.shard_numel * dp, dtype=dtype, device="meta")
         _unflatten(graph, gm, full, bucket, getters, dtype)
     graph.lint()

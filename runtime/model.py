@@ -245,12 +245,13 @@ def make_engine(named, factory, groups: ParamGroups | None, result: CompileResul
     over all ``dp x ep`` replicas."""
     group_of = None
     if groups is not None:
-        canonical = {id(b.shard): b.names[0] for bs in result.zero3_buckets.values() for b in bs}
-        mixed = [b.names for bs in result.zero3_buckets.values() for b in bs
-                 if len(set(map(groups.index, b.names))) > 1]
+        # trained buckets only: a frozen one is no optimizer's (QLoRA's codes and scales are no model parameter)
+        trained = [b for bs in result.zero3_buckets.values() for b in bs if b.shard.requires_grad]
+        canonical = {id(b.shard): b.names[0] for b in trained}
+        mixed = [b.names for b in trained if len(set(map(groups.index, b.names))) > 1]
         if mixed:  # the ZeRO-3 pass splits buckets by group; a mixed one would step some entries wrongly
             raise RuntimeError(f"fxpar.runtime.model: ZeRO-3 buckets {mixed[:2]} mix optimizer parameter groups")
-        group_of = {id(p): groups.index(canonical.get(id(p), n)) for n, p in named}
+        group_of = {id(p): groups.index(canonical.get(id(p), n)) for n, p in named if p.requires_grad}
     if mesh.grad_size > 1 or plan.zero:
         expert_group = (mesh.group_name("dp"), mesh.dp, mesh.dp_rank)
         dense_group = (mesh.grad_group_name(), mesh.grad_size, mesh.grad_rank)

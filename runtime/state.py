@@ -48,8 +48,9 @@ def full_state_dict(result: CompileResult, model: torch.nn.Module, mesh: MeshSpe
             fqn = name
         mine = owner.get(fqn, mesh.pp_rank) == mesh.pp_rank
         local = program.tensor(fqn) if fqn in program.params else value
-        if local.is_meta and fqn in owner:  # a frozen base held in int8 blocks (Plan(base_dtype="int8"))
-            held = quant_ops.held_weight([s.gm for s in pipeline.stages if s.rank == mesh.pp_rank], fqn, local)
+        if local.is_meta and fqn in owner and mine:  # a frozen base held in int8 blocks (Plan(base_dtype="int8"))
+            held = quant_ops.held_weight([s.gm for s in pipeline.stages if s.rank == mesh.pp_rank], fqn, local,
+                                         gathered=zero3)
             local = held if held is not None else local
         if zero3 is not None and fqn in zero3:
             local = zero3[fqn] if mine else local.detach()

@@ -27,10 +27,10 @@ class Zero3Regather:
     """A context for one ZeRO-3 forward: autograd saves a handle for every tensor that lives in a
     gathered bucket, and gathers the bucket again when backward needs it; the gathered forward copy is
     freed after its last forward use. The regathered bucket is kept while backward works through it: one
-    bucket of trained parameters and one of frozen ones at a time. A layer whose frozen weights have trained
-    adapters beside them (LoRA: each kind in buckets of its own, ``passes/zero3.py``) reads both in turn in
-    its backward, base then adapter for each projection; holding one bucket in all gathered the layer's frozen
-    bucket again at every projection, and held two at each switch.
+    bucket of trained parameters and one of frozen ones of each kind (:func:`_kind`) at a time. A layer whose
+    frozen weights have trained adapters beside them (LoRA: each kind in buckets of its own, ``passes/zero3.py``)
+    reads both in turn in its backward, base then adapter for each projection; holding one bucket in all
+    gathered the layer's frozen bucket again at every projection, and held two at each switch.
 
     ``backward_next``: this forward's backward comes right after it (the pipeline runtime knows from
     its schedule). Then the bucket gathered last is kept from the end of the forward for the backward,
@@ -72,8 +72,8 @@ class Zero3Regather:
             self._hooks = self._observing = None
         last, self._last = self._last, None
         if last is not None and exc[0] is None:  # backward's first regather, served from the forward's copy
-            shard = self.buckets[last.untyped_storage().data_ptr()][1][0]
-            self.regathered = {not shard.requires_grad: (shard, last)}
+            args = self.buckets[last.untyped_storage().data_ptr()][1]
+            self.regathered = {_kind(*args): (args[0], last)}
 
     def _observe_last(self, out, *rest) -> None:
         self._observe(out, *rest)
@@ -101,13 +101,20 @@ class Zero3Regather:
         _, _, (shard, group, dim, dtype, comm_dtype), offset, shape, stride = saved
         # known by its shard (a forward bucket's address can be reused by a later bucket; the shard does not
         # change within a backward)
-        frozen = not shard.requires_grad
-        held = self.regathered.get(frozen)
+        kind = _kind(shard, group, dim, dtype, comm_dtype)
+        held = self.regathered.get(kind)
         if held is None or held[0] is not shard:
-            self.regathered.pop(frozen, None)  # backward has moved on to another bucket of this kind: free it first
+            self.regathered.pop(kind, None)  # backward has moved on to another bucket of this kind: free it first
             with torch.no_grad():
-                held = self.regathered[frozen] = (shard, gather_params(shard.detach(), group, dim, dtype, comm_dtype))
+                held = self.regathered[kind] = (shard, gather_params(shard.detach(), group, dim, dtype, comm_dtype))
         return held[1].as_strided(shape, stride, offset)
+
+
+def _kind(shard, group, dim, dtype, comm_dtype) -> tuple:
+    """The slot a regathered bucket takes: trained buckets share one; frozen ones one per way of gathering them
+    (held dtype, cast, wire format), so a QLoRA layer's int8 codes, their fp32 scales and its norms (three kinds
+    under bf16; ``passes/zero3.py`` buckets frozen tensors the same way) are each gathered once per layer."""
+    return (False,) if shard.requires_grad else (True, shard.dtype, dtype, comm_dtype)
 
 
 class Zero3Gatherer:

@@ -15,9 +15,6 @@ def check_combinations(plan) -> None:
                         f"zero={plan.zero} has none: use zero=3")
     if plan.base_dtype not in (None, "int8"):
         raise PlanError(f"Plan.base_dtype={plan.base_dtype!r}: use 'int8' (QLoRA's frozen base) or leave it out")
-    if plan.base_dtype is not None and plan.zero == 3:
-        raise PlanError(f"Plan.base_dtype={plan.base_dtype!r} with zero=3: ZeRO-3 does not shard the quantized base "
-                        "yet; use zero=0/1/2 (a frozen base has no optimizer state to shard) or drop base_dtype")
     if plan.quantize_grads and plan.comm_dtype is None:
         raise PlanError("Plan.quantize_grads=True needs comm_dtype='int8' (and zero=3)")
     if not isinstance(plan.collective_matmul, int) or plan.collective_matmul < 0 \

@@ -62,9 +62,13 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, in_features: int,
     return w[:, :in_features].to(dtype)
 
 
-def held_weight(modules, fqn: str, like: torch.Tensor) -> torch.Tensor | None:
+def held_weight(modules, fqn: str, like: torch.Tensor, gathered=None) -> torch.Tensor | None:
     """The weight ``fqn`` (``like``: its meta stand-in) dequantized from the ``<fqn>_int8`` codes and scales
-    one of ``modules`` (a rank's stage modules) holds; None where none holds them."""
+    one of ``modules`` (a rank's stage modules) holds, or under ZeRO-3 ``gathered`` (a
+    :class:`~fxpar.runtime.zero3.Zero3Gatherer`) gathers; None where none holds them."""
+    if gathered is not None and fqn + "_int8" in gathered:
+        codes, scales = gathered[fqn + "_int8"], gathered[fqn + "_int8_scales"]
+        return dequantize_rows(codes, scales, like.shape[1], like.dtype)
     for root in modules:
         try:
             codes, scales = root.get_buffer(fqn + "_int8"), root.get_buffer(fqn + "_int8_scales")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxpar
 from fxpar import zoo
@@ -35,10 +36,16 @@ def _batch():
     return zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=4, seq=8)
 
 
-def _held(compiled) -> dict[str, torch.Tensor]:
+def _held(compiled, state) -> dict[str, torch.Tensor]:
     """Each quantized weight this rank holds (by FQN), dequantized; the bytes of codes + scales, and of every
-    frozen tensor the rank holds (codes, scales, norms, buffers)."""
+    frozen tensor the rank holds (codes, scales, norms, buffers; under ZeRO-3 this rank's shards of them)."""
     out, nbytes = {}, 0
+    for b in (b for bs in compiled.zero3_buckets.values() for b in bs):  # ZeRO-3: codes and scales sharded
+        for name, n in zip(b.names, b.numels):
+            if name.endswith(("_int8", "_int8_scales")):
+                nbytes += n * b.shard.element_size() // b.dp
+            if name.endswith("_int8"):
+                out[name[:-len("_int8")]] = state[name[:-len("_int8")]]  # gathered and dequantized, whole
     for s in compiled.pipeline.stages_of(compiled.pp_rank):
         bufs = dict(s.gm.named_buffers())
         for name, codes in bufs.items():
@@ -52,16 +59,35 @@ def _held(compiled) -> dict[str, torch.Tensor]:
     return {"weights": out, "bytes": nbytes, "frozen": sum(t.numel() * t.element_size() for t in frozen.values())}
 
 
-def qlora_run(plan: str, steps: int = 2) -> dict:
-    """``steps`` AdamW steps of ``plan`` with the base in int8: losses, adapters, the held base."""
+class Gathers(TorchDispatchMode):
+    """ZeRO-3's bucket gathers while active (``fxpar::gather_params``: forward's and backward's regathers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.name() == "fxpar::gather_params"
+        return func(*args, **(kwargs or {}))
+
+
+def qlora_run(plan: str, steps: int = 2, groups: bool = False) -> dict:
+    """``steps`` AdamW steps of ``plan`` with the base in int8: losses, adapters, the held base; under ZeRO-3
+    the first step's bucket gathers, the buckets, and the frozen shards given a gradient. ``groups``: through
+    ``param_groups`` (one group, the optimizer's defaults, as fxpar train's rule makes with no decay)."""
     batch = _batch()
     compiled = fxpar.compile(lora_llama(), plan + ",base_dtype=int8", example_kwargs=batch, optimizer=adamw,
-                             timeout=120)
-    losses = [compiled.step(**batch).item() for _ in range(steps)]
+                             timeout=120, param_groups=(lambda fqn, p: {}) if groups else None)
+    with Gathers() as gathers:
+        losses = [compiled.step(**batch).item()]
+    losses += [compiled.step(**batch).item() for _ in range(steps - 1)]
+    buckets = [b for bs in compiled.zero3_buckets.values() for b in bs]
+    zero3 = {"gathers": gathers.count, "buckets": len(buckets),
+             "frozen_grads": sum(b.shard.grad is not None for b in buckets if not b.shard.requires_grad)}
     state = compiled.full_state_dict()
     adapters = {n: state[n] for n, p in lora_llama().named_parameters() if p.requires_grad}
-    held = _held(compiled)  # the state dict gives the quantized base as held: dequantized, whole
-    return {"losses": losses, "adapters": adapters, "base": {k: state[k] for k in held["weights"]}, **held}
+    held = _held(compiled, state)  # the state dict gives the quantized base as held: dequantized, whole
+    return {"losses": losses, "adapters": adapters, "base": {k: state[k] for k in held["weights"]}, **held, **zero3}
 
 
 def _reference(shards: list[dict[str, torch.Tensor]], steps: int = 2):
@@ -117,8 +143,20 @@ def test_qlora_int8_on_two_ranks(pool2, plan):
     _check(results)
 
 
+@pytest.mark.slow
+def test_qlora_int8_under_zero3_shards_the_frozen_base_over_dp(pool2):
+    """dp=2 zero=3: each rank holds half the codes and scales (frozen buckets of their own: codes, scales with
+    the norms), gathered once per layer in forward and once in backward, never reduce-scattered."""
+    results = pool2.run(qlora_run, "dp=2,zero=3", 2, True, timeout=300)
+    _check(results)
+    base = sum(p.numel() * 4 for p in lora_llama().parameters() if not p.requires_grad)
+    for r in results:
+        fp32 = sum(w.numel() * 4 for w in r["weights"].values())
+        assert len(r["weights"]) == 2 * 7 + 2 and r["bytes"] <= 0.27 * fp32 / 2, (r["bytes"], fp32)
+        assert r["frozen"] <= 0.27 * base / 2, (r["frozen"], base)  # codes, scales, norms: this rank's half
+        assert r["frozen_grads"] == 0 and r["gathers"] <= 2 * r["buckets"], r  # (one codes/scales slot: 4x more)
+
+
 def test_qlora_refusals():
-    with pytest.raises(PlanError, match="base_dtype='int8' with zero=3"):
-        fxpar.compile(lora_llama(), "dp=1,zero=3,base_dtype=int8", example_kwargs=_batch(), optimizer=adamw)
     with pytest.raises(PlanError, match="no frozen weight matrix to quantize"):
         fxpar.compile(zoo.build("llama", seed=0), "dp=1,base_dtype=int8", example_kwargs=_batch(), optimizer=adamw)
