@@ -24,11 +24,13 @@ from typing import Any
 import torch
 import torch.fx.config
 from torch.export import Dim
+from torch.utils import _pytree as pytree
 
 from fxpar.frontend.data_reads import data_as_detach
 from fxpar.frontend.diagnose import explain
 from fxpar.frontend.expert_loops import expert_hit_loops
 from fxpar.frontend.functions import keep_function_backwards
+from fxpar.frontend.meta_constants import constants_with_values
 
 _MAX = 1 << 20
 
@@ -67,8 +69,12 @@ def capture_export(model: torch.nn.Module, example_args: tuple = (), example_kwa
         torch.fx.config.do_not_emit_stack_traces = not stack_traces
     try:
         # user autograd.Functions keep their own backward; loops over the experts a batch hit run over all;
-        # a parameter updated in place through .data keeps the update; no distribution checks its arguments
-        with keep_function_backwards(), expert_hit_loops(), data_as_detach(), distribution_checks_off():
+        # a parameter updated in place through .data keeps the update; no distribution checks its arguments;
+        # a constant built from Python data on meta keeps its values
+        on_meta = any(t.is_meta for t in pytree.tree_leaves((example_args, example_kwargs))
+                      if isinstance(t, torch.Tensor))
+        with keep_function_backwards(), expert_hit_loops(), data_as_detach(), distribution_checks_off(), \
+                (constants_with_values() if on_meta else contextlib.nullcontext()):
             return torch.export.export(model, tuple(example_args), example_kwargs, dynamic_shapes=shapes,
                                        strict=False)
     except Exception as exc:  # every capture failure becomes one clear TraceError
