@@ -1,5 +1,6 @@
 """QLoRA's base: each frozen weight a linear or embedding reads held as int8 blocks, dequantized when it runs
-(``Plan(base_dtype="int8")``).
+(``Plan(base_dtype="int8")``; ``"nf4"``: 4-bit NormalFloat blocks, :mod:`fxpar.ir.nf4`, the same with ``nf4`` for
+``int8`` in every name below).
 
 Reads: the stage's ``get_attr`` nodes and the tensors they name (after TP's cut and the weights' load: each
 rank quantizes the shard it holds, so blocks never straddle two ranks' shards). Writes: per frozen floating
@@ -29,9 +30,7 @@ from fxpar.ir.stage import StageSpec
 from fxpar.passes.pipeline_split import set_nested
 
 _LINEAR = torch.ops.aten.linear.default
-_INT8_LINEAR = torch.ops.fxpar_kernels.int8_linear.default
 _EMBEDDING = torch.ops.aten.embedding.default
-_INT8_EMBEDDING = torch.ops.fxpar_kernels.int8_embedding.default
 
 
 def _attr(root: torch.nn.Module, fqn: str):
@@ -55,7 +54,10 @@ def quantizable(node: torch.fx.Node, t, loadable: bool = False) -> bool:
 
 
 def quantize_base(stage: StageSpec, ctx) -> StageSpec:
-    gm = stage.gm
+    gm, fmt = stage.gm, ctx.plan.base_dtype
+    quantize = quant_ops.FORMATS[fmt][0]
+    linear_op = getattr(torch.ops.fxpar_kernels, f"{fmt}_linear").default
+    embedding_op = getattr(torch.ops.fxpar_kernels, f"{fmt}_embedding").default
     done = ctx.shared.setdefault("quantized_base", {})
     tp_shards, loaded = ctx.shared.get("tp_shards", {}), ctx.shared.get("loaded", {})
     for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
@@ -66,27 +68,27 @@ def quantize_base(stage: StageSpec, ctx) -> StageSpec:
                 continue
             if t.is_meta:  # under ZeRO-3 (materialize_weights leaves parameters to zero3): read whole, quantized
                 t = ctx.load(list(ctx.program.params[fqn].fqns), ctx.out.tp.layout(fqn), like=t).to(ctx.device)
-            done[fqn] = (*quant_ops.quantize_rows(t), t.shape[1])
+            done[fqn] = (*quantize(t), t.shape[1])
             stand_in = torch.nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=False)
             ctx.program.set_tensor(fqn, stand_in)
             for held in (tp_shards, loaded):  # no reference to the full-precision tensor is left
                 if fqn in held:
                     held[fqn] = stand_in
         codes, scales, in_features = done[fqn]
-        set_nested(gm, fqn + "_int8", codes)
-        set_nested(gm, fqn + "_int8_scales", scales)
+        set_nested(gm, f"{fqn}_{fmt}", codes)
+        set_nested(gm, f"{fqn}_{fmt}_scales", scales)
         *path, last = fqn.split(".")
         delattr(_attr(gm, ".".join(path)) if path else gm, last)
         with gm.graph.inserting_before(node):
-            q = gm.graph.get_attr(fqn + "_int8")
-            s = gm.graph.get_attr(fqn + "_int8_scales")
+            q = gm.graph.get_attr(f"{fqn}_{fmt}")
+            s = gm.graph.get_attr(f"{fqn}_{fmt}_scales")
         for user in list(node.users):
             with gm.graph.inserting_before(user):
                 if user.target == _EMBEDDING:  # padding_idx and the rest only shape a gradient the table has not
-                    new = gm.graph.call_function(_INT8_EMBEDDING, (q, s, user.args[1], in_features))
+                    new = gm.graph.call_function(embedding_op, (q, s, user.args[1], in_features))
                 else:
                     x, _, *bias = user.args
-                    new = gm.graph.call_function(_INT8_LINEAR, (x, q, s, bias[0] if bias else None, in_features))
+                    new = gm.graph.call_function(linear_op, (x, q, s, bias[0] if bias else None, in_features))
             new.meta = dict(user.meta)
             user.replace_all_uses_with(new)
             gm.graph.erase_node(user)
@@ -96,19 +98,22 @@ def quantize_base(stage: StageSpec, ctx) -> StageSpec:
     return stage
 
 
+def _base_of(name: str, fmt: str) -> str:
+    return name.removesuffix("_scales").removesuffix(f"_{fmt}")
+
+
 def held_names(gm: torch.fx.GraphModule, ctx) -> list[str]:
-    """The codes and scales ``gm`` reads (``<fqn>_int8``, ``<fqn>_int8_scales``): ZeRO-3 shards them over dp with
-    the parameters, gathered as held (``passes/zero3.py``'s ``held``)."""
+    """The codes and scales ``gm`` reads (``<fqn>_int8``, ``<fqn>_int8_scales``; ``_nf4``): ZeRO-3 shards them
+    over dp with the parameters, gathered as held (``passes/zero3.py``'s ``held``)."""
     done = ctx.shared.get("quantized_base", {})
-    return [n.target for n in gm.graph.nodes if n.op == "get_attr"
-            and n.target.removesuffix("_scales").removesuffix("_int8") in done]
+    return [n.target for n in gm.graph.nodes if n.op == "get_attr" and _base_of(n.target, ctx.plan.base_dtype) in done]
 
 
 def release(ctx, names: list[str]) -> None:
     """After ZeRO-3 sharded the codes and scales ``names``: the rank keeps meta stand-ins (their shapes, for
     later signatures, which find the buckets in zero3's cache), not the whole tensors."""
     done = ctx.shared.get("quantized_base", {})
-    for fqn in {n.removesuffix("_scales").removesuffix("_int8") for n in names} & done.keys():
+    for fqn in {_base_of(n, ctx.plan.base_dtype) for n in names} & done.keys():
         codes, scales, in_features = done[fqn]
         done[fqn] = (codes.to("meta"), scales.to("meta"), in_features)
 

@@ -81,7 +81,7 @@ class Plan:
     """``"int8"``: ZeRO-3's parameter gathers go block-quantized (ZeRO++ qwZ: int8 codes + one fp32 scale
     per block of 256, quantized while packing the shard, dequantized after the gather): about half the
     bytes of bf16. Needs zero=3."""
-    base_dtype: Literal["int8"] | None = None  # QLoRA: frozen linear weights in int8 blocks (passes/quantize_base.py)
+    base_dtype: Literal["int8", "nf4"] | None = None  # QLoRA: frozen linear weights in blocks (passes/quantize_base.py)
     quantize_grads: bool = False
     """With ``comm_dtype="int8"``: ZeRO-3's gradient reduce-scatters as int8 all-to-all, fp32 sums (ZeRO++ qgZ)."""
     collective_matmul: int = 0

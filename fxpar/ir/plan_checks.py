@@ -13,8 +13,9 @@ def check_combinations(plan) -> None:
     if plan.comm_dtype is not None and plan.zero != 3:
         raise PlanError(f"Plan.comm_dtype={plan.comm_dtype!r} quantizes ZeRO-3's parameter gathers; "
                         f"zero={plan.zero} has none: use zero=3")
-    if plan.base_dtype not in (None, "int8"):
-        raise PlanError(f"Plan.base_dtype={plan.base_dtype!r}: use 'int8' (QLoRA's frozen base) or leave it out")
+    if plan.base_dtype not in (None, "int8", "nf4"):
+        raise PlanError(f"Plan.base_dtype={plan.base_dtype!r}: use 'int8' or 'nf4' (QLoRA's frozen base in 8-bit or "
+                        "4-bit NormalFloat blocks) or leave it out")
     if plan.quantize_grads and plan.comm_dtype is None:
         raise PlanError("Plan.quantize_grads=True needs comm_dtype='int8' (and zero=3)")
     if not isinstance(plan.collective_matmul, int) or plan.collective_matmul < 0 \

@@ -1,5 +1,7 @@
-"""A linear layer over a block-quantized frozen weight (QLoRA's base, ``Plan(base_dtype="int8")``):
-``torch.ops.fxpar_kernels.int8_linear``, what ``passes/quantize_base.py`` emits in place of ``aten.linear``.
+"""A linear layer over a block-quantized frozen weight (QLoRA's base, ``Plan(base_dtype="int8" | "nf4")``):
+``torch.ops.fxpar_kernels.int8_linear`` (``nf4_linear``: the same over :mod:`fxpar.ir.nf4`'s 4-bit blocks;
+each format has its ``_linear_backward`` and ``_embedding``, :data:`FORMATS`), what ``passes/quantize_base.py``
+emits in place of ``aten.linear``.
 
 Reads: the input ``x [..., in]``, the weight's int8 codes ``[out, blocks * block]`` and fp32 scales
 ``[out, blocks]`` (:func:`quantize_rows`), an optional bias. Writes: ``x @ W.T + bias`` with
@@ -23,8 +25,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "INV_QMAX", "QMAX", "absmax_int8", "dequantize_rows", "held_weight", "int8_embedding",
-           "int8_linear", "quantize_rows"]
+from fxpar.ir.nf4 import dequantize_nf4, quantize_nf4
+
+__all__ = ["BLOCK", "FORMATS", "INV_QMAX", "QMAX", "absmax_int8", "dequantize_rows", "held_weight",
+           "int8_embedding", "int8_linear", "nf4_embedding", "nf4_linear", "quantize_rows"]
 
 BLOCK = 64  # entries per scale along the input features: bitsandbytes' QLoRA block, 0.266x fp32 held
 QMAX = 127  # symmetric int8 codes in [-127, 127]
@@ -63,68 +67,72 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, in_features: int,
 
 
 def held_weight(modules, fqn: str, like: torch.Tensor, gathered=None) -> torch.Tensor | None:
-    """The weight ``fqn`` (``like``: its meta stand-in) dequantized from the ``<fqn>_int8`` codes and scales
-    one of ``modules`` (a rank's stage modules) holds, or under ZeRO-3 ``gathered`` (a
-    :class:`~fxpar.runtime.zero3.Zero3Gatherer`) gathers; None where none holds them."""
-    if gathered is not None and fqn + "_int8" in gathered:
-        codes, scales = gathered[fqn + "_int8"], gathered[fqn + "_int8_scales"]
-        return dequantize_rows(codes, scales, like.shape[1], like.dtype)
-    for root in modules:
-        try:
-            codes, scales = root.get_buffer(fqn + "_int8"), root.get_buffer(fqn + "_int8_scales")
-        except AttributeError:
-            continue
-        return dequantize_rows(codes, scales, like.shape[1], like.dtype)
+    """The weight ``fqn`` (``like``: its meta stand-in) dequantized from the ``<fqn>_<format>`` codes and
+    scales (a format of :data:`FORMATS`) one of ``modules`` (a rank's stage modules) holds, or under ZeRO-3
+    ``gathered`` (a :class:`~fxpar.runtime.zero3.Zero3Gatherer`) gathers; None where none holds them."""
+    for fmt, (_, dequantize) in FORMATS.items():
+        codes_name, scales_name = f"{fqn}_{fmt}", f"{fqn}_{fmt}_scales"
+        if gathered is not None and codes_name in gathered:
+            return dequantize(gathered[codes_name], gathered[scales_name], like.shape[1], like.dtype)
+        for root in modules:
+            try:
+                codes, scales = root.get_buffer(codes_name), root.get_buffer(scales_name)
+            except AttributeError:
+                continue
+            return dequantize(codes, scales, like.shape[1], like.dtype)
     return None
 
 
-@torch.library.custom_op("fxpar_kernels::int8_linear", mutates_args=())
-def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                in_features: int) -> torch.Tensor:
-    return F.linear(x, dequantize_rows(codes, scales, in_features, x.dtype), bias)
+def _define(fmt: str, dequantize):
+    """``fxpar_kernels.<fmt>_linear`` (autograd: ``<fmt>_linear_backward``) and ``<fmt>_embedding`` over the
+    blocks ``dequantize(codes, scales, in_features, dtype)`` reads: one family per format of :data:`FORMATS`."""
+    @torch.library.custom_op(f"fxpar_kernels::{fmt}_linear", mutates_args=())
+    def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+               in_features: int) -> torch.Tensor:
+        return F.linear(x, dequantize(codes, scales, in_features, x.dtype), bias)
+
+    @linear.register_fake
+    def _fake(x, codes, scales, bias, in_features):
+        return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+    @torch.library.custom_op(f"fxpar_kernels::{fmt}_linear_backward", mutates_args=())
+    def linear_backward(grad: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                        in_features: int) -> torch.Tensor:
+        """``dy @ W``: the input's gradient, ``W`` dequantized again."""
+        return grad @ dequantize(codes, scales, in_features, grad.dtype)
+
+    @linear_backward.register_fake
+    def _backward_fake(grad, codes, scales, in_features):
+        return grad.new_empty((*grad.shape[:-1], in_features))
+
+    def _setup_context(ctx, inputs, output):
+        x, codes, scales, bias, in_features = inputs
+        ctx.save_for_backward(codes, scales)
+        ctx.in_features = in_features
+        ctx.bias_grad = bias is not None and bias.requires_grad
+
+    def _backward(ctx, grad):
+        codes, scales = ctx.saved_tensors
+        dx = linear_backward(grad, codes, scales, ctx.in_features) if ctx.needs_input_grad[0] else None
+        db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
+        return dx, None, None, db, None
+
+    linear.register_autograd(_backward, setup_context=_setup_context)
+
+    @torch.library.custom_op(f"fxpar_kernels::{fmt}_embedding", mutates_args=())
+    def embedding(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+        """``embedding(W, ids)`` of a frozen table held as blocks: only the rows read are dequantized. No
+        gradient (the table is frozen and ids are integers)."""
+        return dequantize(codes[ids.reshape(-1)], scales[ids.reshape(-1)], in_features).view(*ids.shape, -1)
+
+    @embedding.register_fake
+    def _embedding_fake(codes, scales, ids, in_features):
+        return scales.new_empty((*ids.shape, in_features))
+
+    return linear, linear_backward, embedding
 
 
-@int8_linear.register_fake
-def _fake(x, codes, scales, bias, in_features):
-    return x.new_empty((*x.shape[:-1], codes.shape[0]))
-
-
-@torch.library.custom_op("fxpar_kernels::int8_linear_backward", mutates_args=())
-def int8_linear_backward(grad: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                         in_features: int) -> torch.Tensor:
-    """``dy @ W``: the input's gradient, ``W`` dequantized again."""
-    return grad @ dequantize_rows(codes, scales, in_features, grad.dtype)
-
-
-@int8_linear_backward.register_fake
-def _backward_fake(grad, codes, scales, in_features):
-    return grad.new_empty((*grad.shape[:-1], in_features))
-
-
-def _setup_context(ctx, inputs, output):
-    x, codes, scales, bias, in_features = inputs
-    ctx.save_for_backward(codes, scales)
-    ctx.in_features = in_features
-    ctx.bias_grad = bias is not None and bias.requires_grad
-
-
-def _backward(ctx, grad):
-    codes, scales = ctx.saved_tensors
-    dx = int8_linear_backward(grad, codes, scales, ctx.in_features) if ctx.needs_input_grad[0] else None
-    db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
-    return dx, None, None, db, None
-
-
-int8_linear.register_autograd(_backward, setup_context=_setup_context)
-
-
-@torch.library.custom_op("fxpar_kernels::int8_embedding", mutates_args=())
-def int8_embedding(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
-    """``embedding(W, ids)`` of a frozen table held as :func:`quantize_rows` blocks: only the rows read are
-    dequantized. No gradient (the table is frozen and ids are integers)."""
-    return dequantize_rows(codes[ids.reshape(-1)], scales[ids.reshape(-1)], in_features).view(*ids.shape, -1)
-
-
-@int8_embedding.register_fake
-def _embedding_fake(codes, scales, ids, in_features):
-    return scales.new_empty((*ids.shape, in_features))
+int8_linear, int8_linear_backward, int8_embedding = _define("int8", dequantize_rows)
+nf4_linear, nf4_linear_backward, nf4_embedding = _define("nf4", dequantize_nf4)
+# Plan(base_dtype=...) -> (quantize(w) -> (codes, scales), dequantize(codes, scales, in_features, dtype))
+FORMATS = {"int8": (quantize_rows, dequantize_rows), "nf4": (quantize_nf4, dequantize_nf4)}
