@@ -27,6 +27,7 @@ from fxpar.ir.optim import ParamGroups
 from fxpar.ir.options import run_options
 from fxpar.ir.plan import Plan
 from fxpar.ir.program import Program
+from fxpar.ir.quant_ops import HELD_BYTES
 from fxpar.ir.schedule import build_schedule
 from fxpar.ir.stage import CompileResult
 from fxpar.passes.expert_parallel import router_load
@@ -92,9 +93,10 @@ class _Builder:
 
     def predict_memory(self, trainable: int, states: int, frozen: int = 0) -> dict:
         """Parameter, gradient and optimizer-state bytes per rank (``fxpar.cost.memory.state_bytes``); the
-        ``frozen`` entries' weights under ``"frozen"``."""
+        ``frozen`` entries' weights under ``"frozen"`` (QLoRA's base at its blocks' bytes per entry)."""
         plan = self.plan
-        return state_bytes(trainable, plan.zero, plan.dp, states, plan.dp_replicate, frozen)
+        return state_bytes(trainable, plan.zero, plan.dp, states, plan.dp_replicate, frozen,
+                           HELD_BYTES[plan.base_dtype])
 
     def static_cache(self, batch: int, max_len: int):
         """A KV cache the model traces with (``CompiledModel.generate``), or None (fxpar.frontend.cache)."""

@@ -18,6 +18,7 @@ from fxpar.cost.data_parallel import DpGroups, engine_times
 from fxpar.cost.overheads import comm_share
 from fxpar.cost.schedule import moments, peak_activation
 from fxpar.ir.plan import Plan
+from fxpar.ir.quant_ops import HELD_BYTES
 from fxpar.ir.resolved import DEFAULT_BUCKET_BYTES, microbatch_size
 from fxpar.ir.schedule import schedule_record
 
@@ -29,19 +30,21 @@ ADAM_BYTES = 28  # AdamW per fp32 entry: reads param, grad, 2 states; writes par
 BUCKET = DEFAULT_BUCKET_BYTES  # the data-parallel engine's gradient bucket
 
 
-def state_bytes(numel: int, zero: int, dp: int, states: int, dp_replicate: int = 1, frozen: int = 0) -> dict[str, int]:
+def state_bytes(numel: int, zero: int, dp: int, states: int, dp_replicate: int = 1, frozen: int = 0,
+                frozen_bytes: float = 4.0) -> dict[str, int]:
     """Bytes one rank holds between steps for ``numel`` trainable fp32 parameter entries of its stages:
     ZeRO-1/2 add an fp32 master shard; ZeRO-2 keeps gradient shards only (plus full gradients of the
     step in flight: :func:`step_grads`); ZeRO-3 keeps shards of everything (``runtime/zero3.py``: after
     compile only its shards); ``states`` optimizer states per entry.
     ``dp_replicate`` (HSDP): the shards are over ``dp / dp_replicate`` ranks, each held by that many replicas.
     ``frozen``: entries more that do not train (``requires_grad=False``: a LoRA's base), weights alone: no
-    gradient, master shard or optimizer state (``runtime/model.py``), sharded by ZeRO-3 in buckets of their own."""
+    gradient, master shard or optimizer state (``runtime/model.py``), sharded by ZeRO-3 in buckets of their own;
+    ``frozen_bytes`` each (QLoRA's blocks: :data:`fxpar.ir.quant_ops.HELD_BYTES`, the norms priced alike)."""
     n, dp = numel, dp // dp_replicate
     return {"params": 4 * n // dp if zero == 3 else 4 * n + (4 * n // dp if zero in (1, 2) else 0),
             "grads": 4 * n // dp if zero >= 2 else 4 * n + (4 * n // dp if zero == 1 else 0),
             "optimizer": 4 * states * n // (dp if zero >= 1 else 1),
-            "frozen": 4 * frozen // (dp if zero == 3 else 1)}
+            "frozen": int(frozen_bytes * frozen) // (dp if zero == 3 else 1)}
 
 
 def step_grads(numel: int, zero: int, microbatches: int) -> int:
@@ -114,7 +117,7 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
         got = per_n.get((n, ne, fz))
         if got is None:
             red, last, gather = engine_times(p, plan.zero, n - ne, groups, BUCKET) if dp > 1 else (0.0, 0.0, 0.0)
-            mem = state_bytes(n - ne, plan.zero, dp, ADAM_STATES, plan.dp_replicate, fz)
+            mem = state_bytes(n - ne, plan.zero, dp, ADAM_STATES, plan.dp_replicate, fz, HELD_BYTES[plan.base_dtype])
             stepped = (n - ne) // groups.shard if plan.zero else n - ne
             if ne:  # the expert slices: their own buckets after the dense ones, sharded over their group
                 g = experts[1]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from fxpar.ir.nf4 import dequantize_nf4, quantize_nf4
 
-__all__ = ["BLOCK", "FORMATS", "INV_QMAX", "QMAX", "absmax_int8", "dequantize_rows", "held_weight",
+__all__ = ["BLOCK", "FORMATS", "HELD_BYTES", "INV_QMAX", "QMAX", "absmax_int8", "dequantize_rows", "held_weight",
            "int8_embedding", "int8_linear", "nf4_embedding", "nf4_linear", "quantize_rows"]
 
 BLOCK = 64  # entries per scale along the input features: bitsandbytes' QLoRA block, 0.266x fp32 held
@@ -136,3 +136,5 @@ int8_linear, int8_linear_backward, int8_embedding = _define("int8", dequantize_r
 nf4_linear, nf4_linear_backward, nf4_embedding = _define("nf4", dequantize_nf4)
 # Plan(base_dtype=...) -> (quantize(w) -> (codes, scales), dequantize(codes, scales, in_features, dtype))
 FORMATS = {"int8": (quantize_rows, dequantize_rows), "nf4": (quantize_nf4, dequantize_nf4)}
+# Plan(base_dtype=...) -> bytes held per frozen entry, codes + an fp32 scale per block (the cost model's price)
+HELD_BYTES = {None: 4.0, "int8": 1 + 4 / BLOCK, "nf4": 0.5 + 4 / BLOCK}

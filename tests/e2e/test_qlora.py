@@ -85,6 +85,7 @@ def qlora_run(plan: str, steps: int = 2, groups: bool = False, fmt: str = "int8"
     buckets = [b for bs in compiled.zero3_buckets.values() for b in bs]
     zero3 = {"gathers": gathers.count, "buckets": len(buckets),
              "frozen_grads": sum(b.shard.grad is not None for b in buckets if not b.shard.requires_grad)}
+    zero3["predicted"] = compiled.memory()["predicted"]["frozen"]  # the cost model's price of the held base
     state = compiled.full_state_dict()
     adapters = {n: state[n] for n, p in lora_llama().named_parameters() if p.requires_grad}
     held = _held(compiled, state, fmt)  # the state dict gives the quantized base as held: dequantized, whole
@@ -144,6 +145,7 @@ def test_qlora_nf4_trains_as_peft_on_its_dequantized_base_and_holds_a_seventh():
     plain = lora_llama()
     base = sum(p.numel() * 4 for p in plain.parameters() if not p.requires_grad)
     assert r["frozen"] <= 0.15 * base, (r["frozen"], base)  # the whole base held: norms and buffers too
+    assert abs(r["predicted"] - r["frozen"]) <= 0.03 * r["frozen"], (r["predicted"], r["frozen"])  # 0.5625 B/entry
     gap = max(b - a for a, b in zip(nf4.LEVELS, nf4.LEVELS[1:])) / 2  # -1 to -0.696
     for k, w in r["weights"].items():  # each row's error within its blocks' bound
         want = plain.get_parameter(k).detach()
@@ -182,6 +184,7 @@ def test_qlora_int8_under_zero3_shards_the_frozen_base_over_dp(pool2):
         fp32 = sum(w.numel() * 4 for w in r["weights"].values())
         assert len(r["weights"]) == 2 * 7 + 2 and r["bytes"] <= 0.27 * fp32 / 2, (r["bytes"], fp32)
         assert r["frozen"] <= 0.27 * base / 2, (r["frozen"], base)  # codes, scales, norms: this rank's half
+        assert abs(r["predicted"] - r["frozen"]) <= 0.03 * r["frozen"], (r["predicted"], r["frozen"])
         assert r["frozen_grads"] == 0 and r["gathers"] <= 2 * r["buckets"], r  # (one codes/scales slot: 4x more)
 
 
