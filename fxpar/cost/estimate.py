@@ -24,13 +24,14 @@ thousands of plans in seconds; :func:`price_plan` prices one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
 from fxpar.cost.comm import sent_bytes as _sent
 from fxpar.cost.context_parallel import check_cp, cp_comm, cp_groups, cp_part_of, variant_cp
 from fxpar.cost.experts import check_ep, dp_sent, ep_comm, ep_groups, ep_part_of, variant_part
-from fxpar.cost.memory import activation_peaks, per_rank
+from fxpar.cost.memory import RankSums, activation_peaks, per_rank
 from fxpar.cost.overheads import (
     StepCounts,
     call_time,
@@ -206,9 +207,12 @@ class Pricer:
         r = plan.resolve(plan.world_size, self.batch)  # the schedule's own checks; compile's defaults
         return r.schedule, r.virtual_stages, r.microbatches
 
-    def price(self, plan: Plan, exact: bool | None = None) -> Estimate:
+    def price(self, plan: Plan, exact: bool | None = None, times_up_to: float | None = None) -> Estimate:
+        """``plan``'s Estimate; ``exact``: its schedule on the DAG (None: where small enough). ``times_up_to``:
+        bytes per rank above which the plan's times are not worked out (``step_time`` inf, ``parts`` empty): a
+        search's bound past which no variant of the plan can fit (its memory is priced in full either way)."""
         name, v, m = self.check(plan)
-        p, c = self.profile, self.costs
+        p = self.profile
         world, pp, tp, dp = plan.world_size, plan.pp, plan.tp, plan.replicas
         b = microbatch_size(self.batch, dp, m)
         sp, rc = plan.sequence_parallel, plan.recompute
@@ -222,6 +226,23 @@ class Pricer:
         st = self._stages(n_stages, tp, sp, b, rc, world, dtype, _variant(self, plan))
         params, kept, trans, outs = st["params"], st["kept"], st["trans"], st["outs"]
         trained = [x - y for x, y in zip(params, st["frozen"])]  # no gradient, reduction or step for frozen ones
+        is_exact = exact if exact is not None else sched_exact(name, pp, m, v)
+        mine = _owned(name, pp, n_stages)
+        pkey = ("peaks", n_stages, tp, sp, b, rc, world, dtype, name, pp, m, v, is_exact, _variant(self, plan))
+        acts = self._stage_cache.get(pkey)
+        if acts is None:  # plans differing only in data parallelism share them
+            acts = self._stage_cache[pkey] = activation_peaks(name, pp, m, v, mine, kept, trans, st["kout"], trained,
+                                                              is_exact)
+        skey = ("ranks", n_stages, tp, sp, b, rc, world, dtype, _variant(self, plan), name, pp)
+        ranks = self._stage_cache.get(skey)
+        if ranks is None:  # plans differing only in data parallelism share them
+            ranks = self._stage_cache[skey] = RankSums.of(st, mine)
+        if times_up_to is not None:  # the memory alone first (it reads no time): past the bound, no times
+            worst = per_rank(p, dplan, m, ranks, None, acts, groups, gbytes, experts)[2]
+            if worst[0] > times_up_to:  # (its bytes: those of the rank with the most work)
+                r0 = max(range(pp), key=lambda r: sum(st["F"][s] + st["B"][s] for s in mine[r]))
+                return self._estimate(plan, m, math.inf, {}, 0.0, worst, st, mine, r0, dplan, groups, experts, gbytes,
+                                      is_exact)
         tf, tb = st["tf"], st["tb"]
         if plan.collective_matmul:  # the chunks' collectives hide behind the matmuls
             k = plan.collective_matmul
@@ -250,13 +271,6 @@ class Pricer:
             host = min(world, p.ranks_per_node)
             busy = max(1, round(host * (1.0 - bubble)))
             makespan *= p.share(host) / p.share(busy)
-        is_exact = exact if exact is not None else sched_exact(name, pp, m, v)
-        mine = _owned(name, pp, n_stages)
-        pkey = ("peaks", n_stages, tp, sp, b, rc, world, dtype, name, pp, m, v, is_exact, _variant(self, plan))
-        acts = self._stage_cache.get(pkey)
-        if acts is None:  # plans differing only in data parallelism share them
-            acts = self._stage_cache[pkey] = activation_peaks(name, pp, m, v, mine, kept, trans, st["kout"], trained,
-                                                              is_exact)
         # the slowest rank's busy time and its parts
         busy = [m * sum(F[s] + B[s] for s in st) for st in mine]
         r0 = max(range(pp), key=lambda r: busy[r])
@@ -264,8 +278,8 @@ class Pricer:
         z3_time = m * sum(z3[s] for s in mine[r0])
         compute = busy[r0] - tp_time - z3_time
         # data parallel: buckets reduce as they fill in the last microbatch's backward
-        dp_exposed, opt_time, worst = per_rank(p, dplan, m, mine, params, B, acts, st["big"], groups, gbytes,
-                                                st["bigt"], (st["eparams"], experts) if experts else None, st["frozen"])
+        hidden = [sum(B[s] for s in x) for x in mine] if dplan.dp > 1 and p.comm_overlaps else None
+        dp_exposed, opt_time, worst = per_rank(p, dplan, m, ranks, hidden, acts, groups, gbytes, experts)
         # fxpar's own costs outside the actions (those inside are in F/B/W above): buckets, optimizer tensors
         runtime = _runtime(self, dplan, mine[r0], trained, gbytes, world, (n_stages, b, dtype)).total
         step = makespan + dp_exposed + opt_time + runtime
@@ -273,20 +287,33 @@ class Pricer:
         idle = max(0.0, makespan - busy[r0] - pp_comm)
         parts = {"compute": compute, "tp_comm": tp_time, "pp_comm": pp_comm, "dp_comm": z3_time + dp_exposed,
                  "bubble": idle, "optimizer": opt_time, "runtime": runtime}
-        ep = {**ep_part_of(plan, parts, st, mine[r0], m), **cp_part_of(plan, parts, st, mine[r0], m)}  # apart from TP
+        return self._estimate(plan, m, step, parts, bubble, worst, st, mine, r0, dplan, groups, experts, gbytes,
+                              is_exact)
+
+    def _estimate(self, plan: Plan, m: int, step: float, parts: dict, bubble: float, worst: tuple, st: dict, mine,
+                  r0: int, dplan: Plan, groups, experts, gbytes: float, is_exact: bool) -> Estimate:
+        """The Estimate of a priced plan: its memory, the bytes rank ``r0`` sends, MFU (``parts``: its time by
+        part; empty where the times were not worked out, ``step`` then inf)."""
+        c, p, n_stages = self.costs, self.profile, len(st["F"])
+        into = parts or {"tp_comm": 0.0}  # (without times: only the bytes)
+        ep = {**ep_part_of(plan, into, st, mine[r0], m), **cp_part_of(plan, into, st, mine[r0], m)}  # apart from TP
         memory = {**worst[1], "activations": int(worst[2]), "buffers": int(worst[3]), "total": int(worst[0])}
+        trained = [x - y for x, y in zip(st["params"], st["frozen"])]
         n0, f0 = (sum(x[s] for s in mine[r0]) for x in (trained, st["frozen"]))
         tp_bytes = m * sum(st["tpsent"][x] for x in mine[r0])
         inside, across = dp_sent(dplan, n0, sum(st["eparams"][s] for s in mine[r0]), m, gbytes, groups, experts, f0)
         dp_inter = inside * groups.shard_inter + across * groups.replicas_inter  # of it, over inter-node links
-        pp_bytes = max(2 * m * sum(outs[s] for s in st if s < n_stages - 1) for st in mine) if pp > 1 else 0
+        outs = st["outs"]
+        pp_bytes = max(2 * m * sum(outs[s] for s in x if s < n_stages - 1) for x in mine) if plan.pp > 1 else 0
         tokens = self.batch * c.seq
+        dtype = self.dtype(plan)
         peak = p.peak_flops.get(dtype) or p.matmul_flops(dtype)
-        mfu = c.flops_per_token * tokens / (step * world * peak) if step > 0 else 0.0
+        fast = 0 < step < math.inf
+        mfu = c.flops_per_token * tokens / (step * plan.world_size * peak) if fast else 0.0
         fits = memory["total"] <= self.memory
         return Estimate(plan, step, parts, bubble, memory, {"tp": int(tp_bytes), "pp": int(pp_bytes),
                         "dp": int(inside + across), "dp_inter": int(dp_inter), **ep},
-                        mfu, tokens / step if step > 0 else 0.0, fits,
+                        mfu, tokens / step if fast else 0.0, fits,
                         None if fits else f"memory: {gb(memory['total'])} > {gb(self.memory)}", is_exact)
 
 

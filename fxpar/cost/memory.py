@@ -14,6 +14,8 @@ fullest rank, with the data-parallel time each leaves exposed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fxpar.cost.data_parallel import DpGroups, engine_times
 from fxpar.cost.overheads import comm_share
 from fxpar.cost.schedule import moments, peak_activation
@@ -22,8 +24,8 @@ from fxpar.ir.quant_ops import HELD_BYTES
 from fxpar.ir.resolved import DEFAULT_BUCKET_BYTES, microbatch_size
 from fxpar.ir.schedule import schedule_record
 
-__all__ = ["ADAM_BYTES", "ADAM_STATES", "BUCKET", "activation_peaks", "fused_saving", "moments", "optimizer_transient",
-           "per_rank", "state_bytes", "step_grads"]
+__all__ = ["ADAM_BYTES", "ADAM_STATES", "BUCKET", "RankSums", "activation_peaks", "fused_saving", "moments",
+           "optimizer_transient", "per_rank", "state_bytes", "step_grads"]
 
 ADAM_STATES = 2
 ADAM_BYTES = 28  # AdamW per fp32 entry: reads param, grad, 2 states; writes param, 2 states
@@ -81,15 +83,41 @@ def activation_peaks(name: str, pp: int, m: int, v: int, mine, kept, trans, kout
     return out
 
 
-def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpGroups, gbytes: float,
-             big_tensor, experts: tuple | None = None, frozen: list | None = None) -> tuple:
+@dataclass(frozen=True)
+class RankSums:
+    """Per pipeline rank, sums over the stages it runs (``mine``) of a plan's per-stage figures: parameter
+    entries (``n``, frozen ones included), frozen entries (``frozen``), expert slices (``experts``), and the
+    largest part (``part``: ZeRO-3's bucket) and tensor (``tensor``) it steps. Plans of one stage layout
+    share them (:class:`fxpar.cost.estimate.Pricer` keeps them with the stages)."""
+
+    n: tuple
+    frozen: tuple
+    experts: tuple
+    part: tuple
+    tensor: tuple
+
+    @classmethod
+    def of(cls, st: dict, mine) -> RankSums:
+        """From a Pricer's per-stage figures ``st`` (``params``, ``frozen``, ``eparams``, ``big``, ``bigt``)."""
+        def total(key):
+            return tuple(sum(st[key][s] for s in r) for r in mine)
+
+        def most(key):
+            return tuple(max(st[key][s] for s in r) for r in mine)
+        return cls(total("params"), total("frozen"), total("eparams"), most("big"), most("bigt"))
+
+
+def per_rank(p, plan: Plan, m: int, ranks: RankSums, hidden, acts, groups: DpGroups, gbytes: float,
+             experts=None) -> tuple:
     """Over the pipeline ranks: the data-parallel time left exposed after the last microbatch's backward
     (buckets reduce as they fill; ZeRO-1/2 then gather the updated shards), the optimizer step, and the
     fullest rank's memory ``(peak, states, activations, buffers)``.
 
-    ``acts[r]``: the rank's peak of activations without and with the gradients its backward makes, and while
-    no backward runs (:func:`activation_peaks`). The step drops the parameters' gradients when it begins
-    (``runtime/model.py``), so without data parallelism they are not there at the activations' peak;
+    ``ranks``: the ranks' parameter entries and largest tensors (:class:`RankSums`); ``hidden[r]``: the rank's
+    backward seconds per microbatch, behind which its buckets reduce (None: none hide; the memory does not
+    read it). ``acts[r]``: the rank's peak of activations without and with the gradients its backward makes,
+    and while no backward runs (:func:`activation_peaks`). The step drops the parameters' gradients when it
+    begins (``runtime/model.py``), so without data parallelism they are not there at the activations' peak;
     the data-parallel engine keeps its flat buckets (the gradients between steps are views of them:
     ``runtime/data_parallel.py``) and autograd's fresh gradients are copied into them as backward makes
     them. ZeRO-2 frees each bucket's full gradients when it goes out (its flat buckets, made each step,
@@ -98,12 +126,12 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
     activations are gone and every gradient is there, with the optimizer's temporaries
     (:func:`optimizer_transient`).
 
-    ``frozen``: per stage, the entries of ``params`` that do not train: weights alone (:func:`state_bytes`),
-    no gradient, no reduction, no optimizer step.
+    Frozen entries (``ranks.frozen``, a LoRA's base) are weights alone (:func:`state_bytes`): no gradient,
+    no reduction, no optimizer step.
 
-    ``experts`` (expert parallelism): ``(expert entries per stage, their dp group)``: those of ``params``
-    that reduce and shard over that group (``runtime/model.py``'s ``make_engine``), the rest over
-    ``groups``; ``plan.dp`` is then the ``dp x ep`` replicas."""
+    ``experts`` (expert parallelism): the expert slices' dp group: ``ranks.experts`` of the entries reduce and
+    shard over it (``runtime/model.py``'s ``make_engine``), the rest over ``groups``; ``plan.dp`` is then the
+    ``dp x ep`` replicas."""
     dp, pp = plan.dp, plan.pp
     dp_exposed = opt_time = 0.0
     # collectives slowed by ranks computing beside them
@@ -111,16 +139,16 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
     worst: tuple = ()
     per_n: dict[int, tuple] = {}  # ranks holding equal parameter counts share their collectives
     for r in range(pp):
-        fz = sum(frozen[s] for s in mine[r]) if frozen else 0
-        n = sum(params[s] for s in mine[r]) - fz  # trainable entries
-        ne = sum(experts[0][s] for s in mine[r]) if experts else 0
+        fz = ranks.frozen[r]
+        n = ranks.n[r] - fz  # trainable entries
+        ne = ranks.experts[r] if experts is not None else 0
         got = per_n.get((n, ne, fz))
         if got is None:
             red, last, gather = engine_times(p, plan.zero, n - ne, groups, BUCKET) if dp > 1 else (0.0, 0.0, 0.0)
             mem = state_bytes(n - ne, plan.zero, dp, ADAM_STATES, plan.dp_replicate, fz, HELD_BYTES[plan.base_dtype])
             stepped = (n - ne) // groups.shard if plan.zero else n - ne
             if ne:  # the expert slices: their own buckets after the dense ones, sharded over their group
-                g = experts[1]
+                g = experts
                 red, last, gather = (x + y for x, y in zip((red, last, gather),
                                                            engine_times(p, plan.zero, ne, g, BUCKET)))
                 mem = {k: v + state_bytes(ne, plan.zero, g.shard, ADAM_STATES)[k] for k, v in mem.items()}
@@ -131,13 +159,13 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
             got = per_n[(n, ne, fz)] = (red, last, gather, mem, sum(mem.values()), opt)
         red, last, gather, mem, held, opt = got
         if dp > 1:  # (ZeRO-3's gathers are in B; with HSDP its shards' all-reduce follows the backward)
-            hidden = sum(B[s] for s in mine[r]) if p.comm_overlaps else 0.0
-            dp_exposed = max(dp_exposed, max(0.0, red - hidden) + (last if p.comm_overlaps else 0.0) + gather)
+            hide = hidden[r] if p.comm_overlaps and hidden is not None else 0.0
+            dp_exposed = max(dp_exposed, max(0.0, red - hide) + (last if p.comm_overlaps else 0.0) + gather)
         opt_time = max(opt_time, opt)
         buffers, made, bucket, gather_peak = 0, True, 0, 0  # made: whether backward's gradients add to the state
         trains = n / max(1, n + fz)  # the share of a bucket or a tensor that has gradients and optimizer state
         if plan.zero == 3 and dp > 1:
-            part = max(big_part[x] for x in mine[r])
+            part = ranks.part[r]
             buffers, made = part * gbytes, False
             # a gather of the largest bucket late in a forward (an LM head's): what the backend holds beside
             # it while gathering (gloo: as much again) on top of the forward's activations
@@ -152,7 +180,7 @@ def per_rank(p, plan: Plan, m: int, mine, params, B, acts, big_part, groups: DpG
         # (ZeRO-3: the shards'); the engine's buckets and ZeRO-1/2's shard gradients stay
         before = 0 if dp == 1 and plan.zero == 0 or plan.zero == 3 else mem["grads"]
         total = max(held - mem["grads"] + before + buffers + acts[r][made], bucket, gather_peak)
-        stepped = max(big_part[x] for x in mine[r]) if plan.zero == 3 else max(big_tensor[x] for x in mine[r])
+        stepped = ranks.part[r] if plan.zero == 3 else ranks.tensor[r]
         stepped = int(stepped * trains)  # (a LoRA's largest stepped tensor: roughly its adapters' share)
         total = max(total, held + optimizer_transient(p, plan.zero, n, stepped, groups.shard if plan.zero else 1))
         if not worst or total > worst[0]:

@@ -355,12 +355,25 @@ def _field_types() -> tuple[tuple[str, Any, bool], ...]:
     return tuple((f.name, *_split_type(_types()[f.name])) for f in fields(Plan))
 
 
+@functools.lru_cache(maxsize=4096)
+def _value_ok(name: str, kind: type, value) -> bool:
+    """Whether ``value`` (of type ``kind``: True and 1 are one key otherwise) may be field ``name``'s."""
+    base, optional = next((b, o) for n, b, o in _field_types() if n == name)
+    if value is None:
+        return optional or base is Any
+    return _is_type(value, base)
+
+
 def check_types(plan: Plan) -> None:
     """Every field of ``plan`` of its declared type (``Plan(sequence_parallel="yes")`` is an error, not a
     truthy string); ``tp_plan`` is ``"auto"`` or a ``{glob: style}`` table of strings."""
-    for name, base, optional in _field_types():
+    for name, _, _ in _field_types():
         value = getattr(plan, name)
-        if (value is None and not optional and base is not Any) or (value is not None and not _is_type(value, base)):
+        try:  # the planner builds thousands of plans from a few values per field: each (field, value) once
+            ok = _value_ok(name, type(value), value)
+        except TypeError:  # unhashable (a table)
+            ok = _value_ok.__wrapped__(name, type(value), value)
+        if not ok:
             raise PlanError(f"Plan.{name}={value!r}: {name} takes {_accepted(_types()[name])}")
     tp_plan = plan.tp_plan
     if tp_plan != "auto" and not (isinstance(tp_plan, dict) and all(

@@ -19,6 +19,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -100,6 +101,11 @@ def normalize_schedule(name: str) -> str:
     if not isinstance(name, str):
         raise PlanError(f"pipeline schedule must be a name (str), got {type(name).__name__} {name!r}; "
                         f"use one of {', '.join(SCHEDULES)}")
+    return _canonical(name)
+
+
+@functools.lru_cache(maxsize=256)  # the planner asks for the same few names hundreds of thousands of times
+def _canonical(name: str) -> str:
     key = re.sub(r"[^0-9a-z]", "", name.lower())
     if key.startswith("schedule"):  # torch's class names: ScheduleGPipe, ScheduleInterleaved1F1B, ...
         key = key[len("schedule"):]

@@ -296,7 +296,9 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=Fal
             for sp, z, rc, r, e, q in vs:
                 plan = Plan(dp=dp // e, ep=e, pp=pp, tp=tp, zero=z, microbatches=m, sequence_parallel=sp,
                             recompute=rc, schedule="1f1b", dp_replicate=r, comm_dtype=q, cp=cp)
-                first.setdefault(m, []).append(pricer.price(plan, exact=False))
+                # (with Ulysses to try, the fastest are chosen among all, so every time is needed)
+                room = None if len(modes) > 1 else _room(pricer, plan)
+                first.setdefault(m, []).append(pricer.price(plan, exact=False, times_up_to=room))
             # Ulysses for the fastest of them (it changes the attention's bytes and memory, not how ZeRO,
             # recompute or HSDP rank against each other): the 70B x 1024 search priced 10% more plans without it
             fastest = sorted(first[m], key=lambda est: est.step_time)[:ULYSSES_OF] if len(modes) > 1 else []
@@ -320,7 +322,7 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=Fal
                 for (sp, z, rc, r, e, q), a in product(vs, (won,)):
                     plan = replace(g, dp=dp // e, ep=e, zero=z, sequence_parallel=sp, recompute=rc, dp_replicate=r,
                                    comm_dtype=q, cp_attention=a)
-                    priced.append(pricer.price(plan, exact=False))
+                    priced.append(pricer.price(plan, exact=False, times_up_to=_room(pricer, plan)))
     return priced, excluded
 
 
@@ -334,10 +336,18 @@ def _fused(pricer: Pricer, priced: list[Estimate]) -> list[Estimate]:
     best = min((e.step_time for e in priced if e.fits), default=math.inf)
     out = []
     for e in priced:
+        if e.step_time == math.inf:  # too large even for the fused loss's saving (_room)
+            continue
         saves, faster = fused_saving(pricer, e.plan)
         if e.step_time - faster < best and e.memory["total"] - saves <= pricer.memory:
-            out.append(pricer.price(replace(e.plan, fused_loss=True), exact=False))
+            out.append(pricer.price(replace(e.plan, fused_loss=True), exact=False, times_up_to=pricer.memory))
     return out
+
+
+def _room(pricer: Pricer, plan: Plan) -> float:
+    """The most memory per rank ``plan`` may price at and still fit, or be made to by the fused loss (at most
+    :func:`fxpar.cost.memory.fused_saving`'s bytes less): above it the search needs none of its times."""
+    return pricer.memory + (fused_saving(pricer, plan)[0] if pricer.costs.fused is not None else 0)
 
 
 def _refine(fitting: list[Estimate], pricer: Pricer, top: int) -> tuple[list[Estimate], list[Estimate]]:
