@@ -1,5 +1,3 @@
-import sys
+from fxpar.cli import run
 
-from fxpar.cli import main
-
-sys.exit(main())
+run()
