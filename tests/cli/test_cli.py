@@ -77,6 +77,17 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
+def test_a_command_without_a_process_group_ends_quickly_with_its_handlers_run_and_its_status():
+    # fxpar.cli.run ends plan / inspect / zoo without the interpreter's teardown: what is printed, the exit
+    # handlers and the status must survive it
+    code = "import atexit; import fxpar.cli as c; atexit.register(print, 'handler ran'); c.run()"
+    ok = _run([sys.executable, "-c", code, "zoo"])
+    assert ok.returncode == 0 and "llama" in ok.stdout and ok.stdout.rstrip().endswith("handler ran"), ok
+    bad = _run([sys.executable, "-c", code, "inspect", "no-such-model"])
+    assert bad.returncode == 2 and "handler ran" in bad.stdout and "no-such-model" in bad.stderr, bad
+
+
+@pytest.mark.slow  # seconds: a subprocess, several ranks or a large meta model; ./dev test runs it
 def test_help_shows_train_plan_and_examples():
     out = _run([sys.executable, "-m", "fxpar", "--help"]).stdout
     assert "train" in out and "plan" in out and "torchrun --nproc_per_node 8 -m fxpar train" in out
