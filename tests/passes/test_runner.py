@@ -28,8 +28,8 @@ def _ctx(plan="pp=2", **kw):
 def test_the_pipeline_is_one_list_of_named_passes():
     names = [p.name for p in passes.PROGRAM_PASSES] + [passes.SPLIT.name] + [p.name for p in passes.STAGE_PASSES]
     assert names == ["fused_loss", "tensor_parallel", "expert_parallel", "context_parallel", "pipeline_split",
-                     "materialize_weights", "retarget_device", "quantize_base", "zero3", "drop_dtype_asserts",
-                     "collective_matmul", "recompute", "inductor"]
+                     "materialize_weights", "retarget_device", "quantize_base", "param_updates", "zero3",
+                     "drop_dtype_asserts", "collective_matmul", "recompute", "inductor"]
 
 
 def test_run_times_every_pass_that_ran_and_dumps_before_and_after(program, tmp_path):
