@@ -69,3 +69,17 @@ def test_expert_hit_loop_traces_and_follows_the_routing():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         for name, g in want_grads.items():
             torch.testing.assert_close(got_grads[name], g, rtol=0, atol=1e-6, msg=name)
+
+
+def test_expert_parallel_names_a_loop_over_the_experts():
+    """The ep pass splits grouped-matmul experts only: a loop-form MoE is a PlanError saying so (before any
+    communication: compile runs this check on its first trace), not "no expert layers"."""
+    import pytest
+
+    from fxpar.ir.errors import PlanError
+    from fxpar.passes.expert_parallel import expert_regions
+
+    program = fxpar.trace(LoopMoE(), (torch.randn(2, 5, 8),))
+    with pytest.raises(PlanError, match=r"Plan\(ep=2\): the experts of LoopMoE run as a loop over the experts \(1 MoE "
+                                        r"layers, e.g. LoopMoE: 5 expert blocks.*use dp, or tp"):
+        expert_regions(program, 2)
