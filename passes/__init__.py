@@ -99,12 +99,18 @@ def _zero3(stage, ctx: PassContext):
                     group_of=ctx.param_group,
                     compute_dtype=torch.bfloat16 if plan.mixed_precision == "bf16" else None,
                     comm_dtype=f"{plan.comm_dtype}+grads" if plan.quantize_grads else plan.comm_dtype,
-                    load_flat=_load_flat(ctx) if ctx.load_flat is not None else None, device=ctx.device,
+                    load_flat=_load_flat(ctx) if ctx.load_flat is not None else None, device=_shard_device(ctx),
                     held=frozenset(held))
     ctx.out.zero3_buckets.setdefault(stage.index, buckets)
     _release_sharded(ctx, [n for b in buckets for n in b.names if n not in held])
     quantize_base_pass.release(ctx, held)
     return stage
+
+
+def _shard_device(ctx: PassContext) -> torch.device:
+    """Where ZeRO-3 makes a meta parameter's shard: on the rank's device, read from the weights; in a priced
+    build (``fxpar.api.price``: no Inductor, nothing runs) without weights, on the meta device: shapes only."""
+    return torch.device("meta") if ctx.compile_stage is None and ctx.load_flat is None else ctx.device
 
 
 def _inductor(stage, ctx: PassContext):

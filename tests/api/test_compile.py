@@ -79,6 +79,20 @@ def test_inductor_is_the_last_pass_of_the_list_and_the_runtime_runs_what_it_made
     assert runtime.stage_fns[0] is compiled.result.stage_fns[0]
 
 
+def test_a_meta_model_is_priced_under_zero3_without_its_weights():
+    # fxpar plan MODEL_DIR --plan dp=2,zero=3 builds the model on the meta device and has no weights to read:
+    # the shards are shapes only, and the plan prices as the materialised model's does
+    batch = zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=8, seq=16)
+    got = {}
+    for device in ("meta", "cpu"):
+        priced = price(zoo.build("llama", seed=0, device=device), "dp=2,zero=3", example_kwargs=batch,
+                       optimizer=sgd)
+        buckets = priced.result.zero3_buckets[0]
+        assert buckets and all(b.shard.is_meta == (device == "meta") for b in buckets)
+        got[device] = (priced.memory()["predicted"], [b.shard.numel() for b in buckets])
+    assert got["meta"] == got["cpu"]
+
+
 def test_price_returns_a_priced_plan_with_nothing_to_run():
     """fxpar.api.price builds the plan's rank without a runtime: a PricedPlan (the reading half of a compiled
     model, its Estimate as ``predicted``), not a CompiledModel whose ``step`` could only raise."""
