@@ -53,11 +53,11 @@ def test_plan_command_dumps_every_pass_that_ran(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fxpar", "plan", "llama", "--plan", "dp=2,pp=2,tp=2,zero=3"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    ran = ["tensor_parallel", "pipeline_split", "zero3"]
+    ran = ["tensor_parallel", "pipeline_split", "param_updates", "zero3"]
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("passes:"))
     assert [w.split()[0] for w in line[len("passes:"):].split(",")] == ran, line
     for i, name in enumerate(ran, 1):
-        stage = ".stage0" if name == "zero3" else ""
+        stage = ".stage0" if name in ("param_updates", "zero3") else ""
         for when in ("before", "after"):
             assert (tmp_path / f"{i:02d}-{name}{stage}.{when}.txt").stat().st_size > 0
     assert "fxpar.all_reduce" in (tmp_path / "01-tensor_parallel.after.txt").read_text()
