@@ -42,6 +42,8 @@ from fxpar.runtime.calibrate_runtime import comm_share as _comm_share
 from fxpar.runtime.calibrate_runtime import lm_step as _lm_step
 from fxpar.runtime.calibrate_runtime import runtime_measurements
 from fxpar.runtime.calibrate_step import (
+    at_host_speed,
+    host_reference,
     measure_elementwise,
     measure_fresh_memory,
     measure_optimizer,
@@ -295,6 +297,7 @@ def calibrate(world: int = 8, *, quick: bool = False, device=None, timeout: floa
           "budget": 0.03 if quick else 0.08, "share_counts": (1, 2) if quick else (1, 2, 4, 8),
           "share_seconds": 0.25 if quick else 1.5, "concurrent": not quick}
     in_group = dist.is_available() and dist.is_initialized()
+    speeds: list[float] = []  # the host's reference seconds as the calibration went (host_reference)
     if in_group:
         world, backend = dist.get_world_size(), dist.get_backend()
         kw["groups"] = tuple(g for g in (2, 4, 8, 16, 32, 64) if g <= world)[: 1 if quick else None]
@@ -304,23 +307,46 @@ def calibrate(world: int = 8, *, quick: bool = False, device=None, timeout: floa
         comm["runtime"] = (runtime or runtime_measurements)(quick=quick)
     else:
         backend = "gloo"
+        speeds.append(host_reference())
         comm = _forked(world, kw, timeout) if world > 1 else {"compute_share": {}, "times": {}, "concurrent": {}}
         # fxpar's own costs on 2 ranks of their own (a pipeline of 2 stages needs a world of 2)
         comm["runtime"] = _forked(2, {"fn": runtime or runtime_measurements, "quick": quick}, timeout) \
             if world > 1 else {}
+        speeds.append(host_reference())
     comm["runtime"]["comm_share"] = comm.pop("comm_share", {})
     device = torch.device(device or "cpu")
     if in_group and dist.get_rank() != 0:
         dist.barrier()
         return {}
     seconds = 0.05 if quick else 0.15
-    mm = measure_matmul(device, sizes=(256, 512) if quick and device.type == "cpu" else
-                        ((256, 512, 1024) if device.type == "cpu" else (2048, 4096, 8192)), seconds=seconds)
-    bw = measure_memory_bandwidth(device, sizes_mb=(16, 64) if device.type == "cpu" else (256, 1024), seconds=seconds)
-    ovh = measure_op_overhead(device)
-    ew = measure_elementwise(device, numel=(1 << 21) if device.type == "cpu" else (1 << 26), seconds=seconds)
-    opt = measure_optimizer(device, numel=(1 << 21) if device.type == "cpu" else (1 << 26), seconds=seconds)
-    fresh = measure_fresh_memory(seconds=seconds) if device.type == "cpu" else {"threshold": 0, "bytes_per_s": 0.0}
+    cpu = device.type == "cpu"
+    # each measurement at the host's speed around it, then read at the calibration's median speed (a shared
+    # CPU host's speed drifts by tens of percent within a calibration; host_reference); a GPU's are as taken
+    at = [] if cpu else None
+
+    def measured(fn, rate: bool):  # on a CPU: 3 rounds (1 if quick), each at its speed, their median read later
+        if not cpu:
+            return fn()
+        rounds = [at_host_speed(fn, speeds) for _ in range(1 if quick else 3)]
+        at.append((rounds, rate))
+        return rounds[0][0]
+    mm = measured(lambda: measure_matmul(device, sizes=(256, 512) if quick and cpu else
+                                         ((256, 512, 1024) if cpu else (2048, 4096, 8192)), seconds=seconds), True)
+    bw = measured(lambda: measure_memory_bandwidth(device, sizes_mb=(16, 64) if cpu else (256, 1024),
+                                                   seconds=seconds), True)
+    ovh = measured(lambda: measure_op_overhead(device), False)
+    ew = measured(lambda: measure_elementwise(device, numel=(1 << 21) if cpu else (1 << 26), seconds=seconds), True)
+    opt = measured(lambda: measure_optimizer(device, numel=(1 << 21) if cpu else (1 << 26), seconds=seconds), False)
+    fresh = measured(lambda: measure_fresh_memory(seconds=seconds), True) if cpu else {"threshold": 0,
+                                                                                       "bytes_per_s": 0.0}
+    host = {}
+    if cpu:
+        ref = statistics.median(speeds)
+        for rounds, rate in at:  # rates x speed / ref, times x ref / speed; the rounds' median into the first
+            for out, speed in rounds:
+                _scale_floats(out, speed / ref if rate else ref / speed)
+            _median_floats(rounds[0][0], [out for out, _ in rounds])
+        host = {"host_speed": {"reference_s": ref, "samples": speeds, "spread": max(speeds) / min(speeds)}}
     if in_group:
         dist.barrier()
     mem = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
@@ -329,5 +355,29 @@ def calibrate(world: int = 8, *, quick: bool = False, device=None, timeout: floa
             else platform.processor() or platform.machine(), "cores": os.cpu_count(), "world": world,
             "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
             "backend": backend, "quick": quick, "device_memory": mem, "matmul": mm, "memory_bandwidth": bw,
-            "op_overhead": ovh, "elementwise": ew, "optimizer": opt, "fresh": fresh, **comm,
+            "op_overhead": ovh, "elementwise": ew, "optimizer": opt, "fresh": fresh, **comm, **host,
             "seconds": time.perf_counter() - t_start}
+
+
+def _median_floats(into: dict, rounds: list[dict]) -> None:
+    """Each float of ``into`` (nested dicts and tuples, as :func:`_scale_floats` walks them) becomes the median of
+    that float over ``rounds`` (dicts of the same shape, ``into`` among them)."""
+    for k, v in into.items():
+        if isinstance(v, dict):
+            _median_floats(v, [r[k] for r in rounds])
+        elif isinstance(v, float):
+            into[k] = statistics.median(r[k] for r in rounds)
+        elif isinstance(v, tuple):
+            into[k] = tuple(statistics.median(r[k][i] for r in rounds) if isinstance(x, float) else x
+                            for i, x in enumerate(v))
+
+
+def _scale_floats(d: dict, factor: float) -> None:
+    """Multiply every float of ``d`` (nested dicts and tuples; keys and ints left alone) by ``factor``."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            _scale_floats(v, factor)
+        elif isinstance(v, float):
+            d[k] = v * factor
+        elif isinstance(v, tuple):
+            d[k] = tuple(x * factor if isinstance(x, float) else x for x in v)

@@ -10,8 +10,8 @@ import time
 
 import torch
 
-__all__ = ["measure_elementwise", "measure_fresh_memory", "measure_optimizer", "rate_loop", "sync", "typical",
-           "training_matmuls"]
+__all__ = ["at_host_speed", "host_reference", "measure_elementwise", "measure_fresh_memory", "measure_optimizer",
+           "rate_loop", "sync", "typical", "training_matmuls"]
 
 
 def sync(device: torch.device) -> None:
@@ -104,3 +104,34 @@ def measure_optimizer(device="cpu", numel: int = 1 << 21, seconds: float = 0.15)
     p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW([p], lr=1e-4)
     return {"seconds_per_entry": typical(rate_loop(opt.step, device, seconds)) / numel}
+
+
+def host_reference(reps: int = 5) -> float:
+    """Seconds of one fixed piece of training work on this process's core: a two-layer MLP's forward and
+    backward (512 x 256 -> 512 -> 256, SiLU, twice), the median of ``reps``. What the host's speed is at this
+    moment: a shared CPU host runs the same work 1.5x slower or faster from one minute to the next (measured
+    on this project's 2-core host: 46-83 GFLOP/s for one core's matmuls within an hour), so ``fxpar calibrate``
+    takes each measurement at the speed it finds around it (:func:`at_host_speed`) and records the median, and
+    a measured step can be read at the calibration's speed (``bench/planner_accuracy.py``)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 256, generator=g)
+    w1 = torch.randn(256, 512, generator=g, requires_grad=True)
+    w2 = torch.randn(512, 256, generator=g, requires_grad=True)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(2):
+            (torch.nn.functional.silu(x @ w1) @ w2).pow(2).mean().backward()
+            w1.grad = w2.grad = None
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def at_host_speed(fn, speeds: list[float]):
+    """``(fn(), the host's reference seconds around it)``: :func:`host_reference` before and after, both
+    appended to ``speeds``."""
+    before = host_reference()
+    out = fn()
+    after = host_reference()
+    speeds += [before, after]
+    return out, (before + after) / 2

@@ -44,6 +44,10 @@ def _table(m: dict, profile) -> str:
     g = 1e9
     rows = [f"device profile {profile.name}: {profile.source}",
             f"  measured in {m['seconds']:.1f} s on {m['world']} ranks ({m['backend']}), {m['cores']} cores"]
+    if m.get("host_speed"):
+        h = m["host_speed"]
+        rows.append(f"  host speed  reference step {h['reference_s'] * 1e3:.1f} ms (median of {len(h['samples'])}, "
+                    f"{h['spread']:.2f}x from fastest to slowest): the one-process figures below are read at it")
     for key, r in m["matmul"].items():
         sizes = ", ".join(f"{n}: {v / g:.0f}" for n, v in r["by_size"].items())
         rows.append(f"  matmul {key:5s} {r['flops'] / g:9.1f} GFLOP/s   (by size {sizes})")
@@ -111,7 +115,7 @@ def cmd_calibrate(args) -> int:
 
         from fxpar.cli.calibrate_pipeline import step_op_overhead
 
-        m["step_op_overhead"] = probe = step_op_overhead(profile)
+        m["step_op_overhead"] = probe = step_op_overhead(profile, at=m.get("host_speed", {}).get("reference_s"))
         profile = dataclasses.replace(profile, op_overhead=probe["op_overhead"])
     print(_table(m, profile))
     if "step_op_overhead" in m:

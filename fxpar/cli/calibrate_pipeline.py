@@ -78,20 +78,21 @@ def pipeline_actions(*, quick: bool = False, schedules=SCHEDULES) -> dict:
     return out
 
 
-def step_op_overhead(profile, *, seconds: float = 1.0) -> dict:
+def step_op_overhead(profile, *, seconds: float = 1.0, at: float | None = None) -> dict:
     """The seconds per op of a training step as fxpar's runtime runs it (the program's nodes called one by one,
     autograd, the optimizer's loop), which a chain of bare ops (:func:`fxpar.runtime.calibrate.measure_op_overhead`)
     underrates several times over: a tiny Llama (4 layers of 32, 1 x 8 tokens: almost no arithmetic) compiled
     dp=1, its median step, less the price of its arithmetic on ``profile`` (no overhead), over the ops the price
     counts (one per node forward, two backward). One process; a model unlike the ones a plan is priced for, so
-    that no priced plan is fitted."""
+    that no priced plan is fitted. ``at``: the calibration's host reference seconds, at whose speed the step is
+    read (:func:`fxpar.runtime.calibrate_step.host_reference`, measured around it)."""
     import dataclasses
 
     import fxpar
     from fxpar import zoo
     from fxpar.cost.estimate import price_plan
     from fxpar.planner.model_costs import model_costs
-    from fxpar.runtime.calibrate_step import rate_loop, typical
+    from fxpar.runtime.calibrate_step import at_host_speed, rate_loop, typical
 
     small = dict(hidden_size=32, num_hidden_layers=4, intermediate_size=64)
     cfg = zoo.tiny_config("llama", **small)
@@ -99,7 +100,9 @@ def step_op_overhead(profile, *, seconds: float = 1.0) -> dict:
     c = fxpar.compile(zoo.build("llama", seed=0, **small), "dp=1", example_kwargs=batch,
                       optimizer=functools.partial(torch.optim.AdamW, lr=0.0))
     c.step(**batch)  # (the first step builds what later steps reuse; rate_loop warms up once more)
-    step = typical(rate_loop(functools.partial(c.step, **batch), torch.device("cpu"), seconds))
+    step, speed = at_host_speed(lambda: typical(rate_loop(functools.partial(c.step, **batch), torch.device("cpu"),
+                                                          seconds)), [])
+    step *= at / speed if at else 1.0
     costs = model_costs(zoo.build("llama", seed=0, **small), 8)
     bare = price_plan(costs, fxpar.Plan(), dataclasses.replace(profile, op_overhead=0.0), global_batch=1).step_time
     ops = (price_plan(costs, fxpar.Plan(), dataclasses.replace(profile, op_overhead=1e-6),

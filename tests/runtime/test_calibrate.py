@@ -67,6 +67,10 @@ def test_quick_calibration_writes_a_usable_profile(tmp_path, pool2):
     assert p.intra.bandwidth > 0 and p.intra.latency >= 0 and p.compute_share[1] == pytest.approx(1.0)
     assert set(p.collectives) == set(KINDS) and all(b > 0 for t in p.collectives.values() for _, b in t.values())
     assert json.loads(out.read_text())["measurements"]["world"] == 2
+    # the host's speed around each one-process measurement: its figures are read at the median of them
+    host = json.loads(out.read_text())["measurements"]["host_speed"]
+    assert host["reference_s"] == statistics.median(host["samples"]) > 0 and host["spread"] >= 1.0
+    assert len(host["samples"]) >= 2 * 6  # before and after each of the six one-process measurements
     # what a training step pays besides matmuls: elementwise ops, the optimizer, first touch of big outputs
     assert p.elementwise_rate > 0 and p.optimizer_entry_time > 0 and not p.comm_overlaps
     assert p.fresh_threshold == 0 or (p.fresh_bw > 0 and p.fresh_time(p.fresh_threshold) > 0)
@@ -120,3 +124,17 @@ def test_each_timed_collective_follows_the_compute_gap(pool2):
     assert len(timed) >= 7
     gaps = [b - a for a, b in zip(timed, timed[1:])]
     assert min(gaps) >= 0.02, gaps
+
+
+def test_measurements_are_read_at_the_calibration_host_speed():
+    # a rate taken while the host ran at twice the reference time (half speed) doubles, a time halves; the
+    # rounds' median of every figure is kept (fxpar.runtime.calibrate)
+    from fxpar.runtime.calibrate import _median_floats, _scale_floats
+
+    rate, secs = {"flops": 10.0, "by_size": {256: 4.0}, "n": 3}, {"forward": 2e-6, "pair": (1.0, 2)}
+    _scale_floats(rate, 2.0)
+    _scale_floats(secs, 0.5)
+    assert rate == {"flops": 20.0, "by_size": {256: 8.0}, "n": 3} and secs == {"forward": 1e-6, "pair": (0.5, 2)}
+    rounds = [{"a": 1.0, "b": {"c": 5.0}}, {"a": 3.0, "b": {"c": 1.0}}, {"a": 2.0, "b": {"c": 9.0}}]
+    _median_floats(rounds[0], rounds)
+    assert rounds[0] == {"a": 2.0, "b": {"c": 5.0}}
