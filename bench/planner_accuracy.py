@@ -47,6 +47,7 @@ import re
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import _peak  # bench/_peak.py
 import _planner_models as M  # bench/_planner_models.py (the script's folder is on sys.path)
@@ -79,15 +80,30 @@ def measure(model: str, plan: str, steps: int, warmup: int, profile_spec: str | 
     losses, times = [], []
     for _ in range(warmup):
         losses.append(step().item())
+    speeds = []  # the host's reference seconds around each timed step (rank 0; host_speed)
     for _ in range(steps):
+        before = host_speed()
         dt, loss = timed(step)
+        speeds.append((before + host_speed()) / 2)
         times.append(dt)
         losses.append(loss.item())
     out = _peak.measure_peak(step, f"{model}:{plan}")
     held = compiled.memory().get("measured", {})
     del compiled, step
     gc.collect()
-    return {"times": times, "losses": losses, "compile_s": compile_s, "held": held, **out}
+    return {"times": times, "speeds": speeds, "losses": losses, "compile_s": compile_s, "held": held, **out}
+
+
+def host_speed() -> float:
+    """:func:`fxpar.runtime.calibrate_step.host_reference` on rank 0 while the others wait (one core busy, as
+    ``fxpar calibrate`` measures it): the host's speed just then, whatever the plan's ranks do to each other."""
+    import torch.distributed as dist
+
+    from fxpar.runtime.calibrate_step import host_reference
+
+    got = host_reference() if dist.get_rank() == 0 else 0.0
+    dist.barrier()
+    return got
 
 
 def run_measured(plans: list[tuple[str, str]], steps: int, warmup: int,
@@ -111,7 +127,10 @@ def run_measured(plans: list[tuple[str, str]], steps: int, warmup: int,
                     out[(model, plan)] = {"world": world, "error": str(e).splitlines()[0]}
                     print(f"  {model:6s} {plan:40s} FAILED: {str(e).splitlines()[0]}", flush=True)
                     continue
-                r = {"world": world, "step_s": statistics.median(ranks[0]["times"]), "times": ranks[0]["times"],
+                times, speeds = ranks[0]["times"], ranks[0]["speeds"]
+                r = {"world": world, "step_s": statistics.median(times), "times": times, "speeds": speeds,
+                     # the step in seconds of the host's reference work around it (to read at a calibration's speed)
+                     "step_refs": statistics.median(t / v for t, v in zip(times, speeds)),
                      "peak": max(x["peak"] for x in ranks), "peaks": [x["peak"] for x in ranks],
                      "held": [x["held"] for x in ranks], "start": [x["start"] for x in ranks],
                      "peak_new": [x["peak_new"] for x in ranks], "loss": ranks[0]["losses"][0],
@@ -226,16 +245,34 @@ def _fullest(m: dict, key: str):
     return m[key][max(range(len(m["peaks"])), key=m["peaks"].__getitem__)]
 
 
-def rows(plans, measured, estimates) -> list[dict]:
+def calibration_speed(spec: str | None) -> float | None:
+    """The host reference seconds ``fxpar calibrate`` recorded in the profile ``spec`` names (its median over
+    the calibration: ``measurements.host_speed``), or None (a published profile, or one written before)."""
+    from fxpar.cost.profiles import DEFAULT_PATH
+    from fxpar.ir.options import run_options
+
+    path = Path(spec or run_options().profile or DEFAULT_PATH).expanduser()
+    try:
+        return float(json.loads(path.read_text())["measurements"]["host_speed"]["reference_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def rows(plans, measured, estimates, speed: float | None = None) -> list[dict]:
+    """Per plan, predicted against measured. ``speed``: the calibration's host reference seconds; the measured
+    step is then read at the host's speed during the calibration (``meas_s``: its seconds of the reference
+    work around it times ``speed``), beside the raw median (``raw_s``)."""
     out = []
     for model, plan in plans:
         m, e = measured.get((model, plan), {}), estimates.get((model, plan))
         est = e if e is not None and not isinstance(e, str) else None
         pt = est.step_time if est else None
         pm = est.memory["total"] if est else None
+        raw = m.get("step_s")
+        at = m["step_refs"] * speed if speed and m.get("step_refs") else raw
         out.append({"model": model, "plan": plan, "world": m.get("world") or _world(plan), "pred_s": pt,
-                    "meas_s": m.get("step_s"),
-                    "time_err": _err(pt, m.get("step_s")), "pred_mb": pm / 2**20 if pm else None,
+                    "meas_s": at, "raw_s": raw, "raw_err": _err(pt, raw),
+                    "time_err": _err(pt, at), "pred_mb": pm / 2**20 if pm else None,
                     "meas_mb": m["peak"] / 2**20 if "peak" in m else None, "mem_err": _err(pm, m.get("peak")),
                     "loss": m.get("loss"), "note": m.get("error") or (e if isinstance(e, str) else ""),
                     # for the JSON: the parts on both sides (measured: the fullest rank's)
@@ -289,8 +326,9 @@ def choice_rows(choice: dict, table: list[dict]) -> list[dict]:
     return out
 
 
-def markdown(table: list[dict], choice: dict, profile, a, seconds: float) -> str:
+def markdown(table: list[dict], choice: dict, profile, a, seconds: float, speed: float | None = None) -> str:
     te = [abs(r["time_err"]) for r in table if r["time_err"] is not None]
+    raw = [abs(r["raw_err"]) for r in table if r.get("raw_err") is not None]
     me = [abs(r["mem_err"]) for r in table if r["mem_err"] is not None]
     losses = {}
     for r in table:
@@ -313,19 +351,28 @@ def markdown(table: list[dict], choice: dict, profile, a, seconds: float) -> str
         "running total rose above it during that step (`fxpar.runtime.memtrack.AllocatorPeak`: the torch "
         "profiler's memory events after a warm-up step under it, which change nothing about how kernels allocate; "
         "before 2026-11-27 this bench used `PeakMemory`, a dispatch mode, which makes some backward formulas "
-        "allocate more). Error: (predicted - measured) / measured.\n",
-        "| model | plan | ranks | predicted s | measured s | error % | predicted MiB | measured MiB | error % |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "allocate more). Error: (predicted - measured) / measured. "
+        + (f"Measured step time at the calibration's host speed: each timed step is bracketed by "
+           f"`fxpar.runtime.calibrate_step.host_reference` on rank 0 (a fixed piece of training work; the "
+           f"others wait), and the median of step / reference is read at the calibration's median reference, "
+           f"{speed * 1e3:.1f} ms (this shared host ran the same work up to 1.9x slower or faster within a "
+           "calibration); the raw median step and its error are beside it.\n" if speed else "\n"),
+        "| model | plan | ranks | predicted s | measured s | error % | raw s | raw error % | predicted MiB | "
+        "measured MiB | error % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         lines.append(f"| {r['model']} | `{r['plan']}` | {r['world'] or 'n/a'} | {_f(r['pred_s'], '.3f')} | "
-                     f"{_f(r['meas_s'], '.3f')} | {_f(r['time_err'], '+.1f')} | {_f(r['pred_mb'], '.1f')} | "
+                     f"{_f(r['meas_s'], '.3f')} | {_f(r['time_err'], '+.1f')} | {_f(r.get('raw_s'), '.3f')} | "
+                     f"{_f(r.get('raw_err'), '+.1f')} | {_f(r['pred_mb'], '.1f')} | "
                      f"{_f(r['meas_mb'], '.1f')} | {_f(r['mem_err'], '+.1f')} |"
                      + (f" {r['note']}" if r["note"] else ""))
     lines += ["", f"Step time: median absolute error {_f(statistics.median(te) if te else None, '.1f')}%, worst "
               f"{_f(max(te) if te else None, '.1f')}% over {len(te)} plans. Peak memory: median "
               f"{_f(statistics.median(me) if me else None, '.1f')}%, worst {_f(max(me) if me else None, '.1f')}% over "
               f"{len(me)} plans. First-step losses of one model's plans agree within {spread:.1e} (the same model, "
-              "weights and batch under every plan).", ""]
+              "weights and batch under every plan)."
+              + (f" Raw step times (as the host ran): median absolute error {statistics.median(raw):.1f}%, worst "
+                 f"{max(raw):.1f}%." if speed and raw else ""), ""]
     by_world = {}
     for r in table:
         if r["time_err"] is not None:
@@ -393,8 +440,9 @@ def main() -> None:
         measured = {(m, p): old[f"{m}:{p}"] for m, p in plans if f"{m}:{p}" in old}
     else:
         measured = {} if a.no_measure else run_measured(plans, a.steps, a.warmup, a.profile)
-    table = rows(plans, measured, estimates)
-    text = markdown(table, choice, profile, a, time.perf_counter() - t0)
+    speed = calibration_speed(a.profile)
+    table = rows(plans, measured, estimates, speed)
+    text = markdown(table, choice, profile, a, time.perf_counter() - t0, speed)
     print(text)
     if a.json:
         with open(a.json, "w") as f:
