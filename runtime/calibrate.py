@@ -179,7 +179,10 @@ def _compute_share(counts, seconds: float, device, windows: int = 5) -> dict:
     windows of ``seconds / windows`` (gathered to every rank); the idle ranks sleep through the windows.
     A training step, not a matmul alone: ranks sharing a host contend for its memory bandwidth and caches
     as well as its cores (on this project's 2-core CI host a cache-resident matmul gave 1.0 at 2 ranks and a
-    large one 0.5, where training steps got 0.9, as this step does)."""
+    large one 0.5, where training steps got 0.9, as this step does). Each window's rate is read at the host's
+    speed just before it (:func:`~fxpar.runtime.calibrate_step.host_reference` on rank 0, the others idle):
+    the host drifts between windows by more than sharing costs (2 ranks here read 0.78-1.05 over three
+    calibrations without it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     step = _lm_step(rank)
     step()
@@ -187,6 +190,8 @@ def _compute_share(counts, seconds: float, device, windows: int = 5) -> dict:
     # the counts in turn within each round, so that a slow spell of the host falls on one window of each count
     # rather than on every window of one (one calibration here read 0.71 for 2 ranks, the next 0.95)
     for k in (k for _ in range(windows) for k in counts if k <= world):
+        speed = torch.tensor([host_reference() if rank == 0 else 0.0], dtype=torch.float64, device=device)
+        dist.broadcast(speed, 0)  # (steps per second x seconds of the reference work: the same at any speed)
         t0 = torch.tensor([time.time() + 0.02], dtype=torch.float64, device=device)
         dist.broadcast(t0, 0)
         start, end, done = t0.item(), t0.item() + seconds / windows, 0
@@ -195,7 +200,7 @@ def _compute_share(counts, seconds: float, device, windows: int = 5) -> dict:
             while time.time() < end:
                 step()
                 done += 1
-            rate = done / (time.time() - start)
+            rate = done / (time.time() - start) * speed.item()
         else:
             time.sleep(max(0.0, end - time.time()))
             rate = 0.0
