@@ -81,17 +81,19 @@ def check_program(program, model, setup: PipelineSetup) -> None:
 
 def check_meta_constants(program, plan: Plan) -> None:
     """A program traced on the meta device (a meta-built model, or ZeRO-3 of a built one: it takes the model's
-    tensors) keeps the shapes of the constant tensors its forward builds from Python data on an input's device
-    (``x[..., [-2]]`` lifts ``tensor([-2])``), not their values: running it would compute with values it never
-    had, so such a program is a PlanError naming them."""
+    tensors) has the values of the constants its forward builds from Python data (the frontend builds them on
+    the CPU: ``fxpar.frontend.meta_constants``), but not of a tensor it reads that is neither a parameter nor a
+    buffer (a plain tensor attribute of a module built on meta: never written, nothing ``weights=`` fills):
+    running it would compute with values it never had, so such a program is a PlanError naming them."""
     lost = sorted(k for k, v in program.constants.items() if isinstance(v, torch.Tensor) and v.is_meta)
     if lost:
         how = ("ZeRO-3 took the model's tensors and traced it on meta" if plan.zero == 3
                else "the model is on the meta device")
         raise PlanError(f"{type(program.root).__name__} traced on the meta device ({how}) builds {len(lost)} "
-                        f"constant tensors in its forward from Python data on its input's device ({', '.join(lost[:4])}"
-                        f"; e.g. indexing with a list): a meta trace keeps their shapes, not their values. Compile "
-                        f"the model built on the CPU under a plan without zero=3 (zero=1 shards the optimizer state)")
+                        f"constant tensors without values ({', '.join(lost[:4])}): tensors its forward reads that "
+                        "are neither parameters nor buffers (a plain tensor attribute of a module built on meta), "
+                        "which weights= cannot fill. Register them as buffers (register_buffer), or compile the "
+                        "model built on the CPU under a plan without zero=3 (zero=1 shards the optimizer state)")
 
 
 def check_split_points(cuts: list, plan: Plan, n_stages: int) -> None:
