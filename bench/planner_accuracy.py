@@ -338,7 +338,8 @@ def markdown(table: list[dict], choice: dict, profile, a, seconds: float, speed:
     src = (f"profile `{profile.name}` ({profile.source or 'no source given'})" if profile
            else "no profile (predictions skipped)")
     cmd = "bench/planner_accuracy.py" + (" --quick" * a.quick) + (" --auto" * a.auto) + \
-        (f" --plans '{a.plans}'" if a.plans else "") + (f" --profile {a.profile}" if a.profile else "")
+        (f" --plans '{a.plans}'" if a.plans else "") + (f" --profile {a.profile}" if a.profile else "") + \
+        (f" --measured {a.measured}" if a.measured else "")
     lines = [
         f"\n{SECTION}\n",
         f"{datetime.date.today().isoformat()}, {platform.machine()} {os.cpu_count()} threads, "
