@@ -241,8 +241,8 @@ class Pricer:
             worst = per_rank(p, dplan, m, ranks, None, acts, groups, gbytes, experts)[2]
             if worst[0] > times_up_to:  # (its bytes: those of the rank with the most work)
                 r0 = max(range(pp), key=lambda r: sum(st["F"][s] + st["B"][s] for s in mine[r]))
-                return self._estimate(plan, m, math.inf, {}, 0.0, worst, st, mine, r0, dplan, groups, experts, gbytes,
-                                      is_exact)
+                return _estimate(self, plan, m, math.inf, {}, 0.0, worst, st, mine, r0, dplan, groups, experts,
+                                 gbytes, is_exact)
         tf, tb = st["tf"], st["tb"]
         if plan.collective_matmul:  # the chunks' collectives hide behind the matmuls
             k = plan.collective_matmul
@@ -287,35 +287,35 @@ class Pricer:
         idle = max(0.0, makespan - busy[r0] - pp_comm)
         parts = {"compute": compute, "tp_comm": tp_time, "pp_comm": pp_comm, "dp_comm": z3_time + dp_exposed,
                  "bubble": idle, "optimizer": opt_time, "runtime": runtime}
-        return self._estimate(plan, m, step, parts, bubble, worst, st, mine, r0, dplan, groups, experts, gbytes,
-                              is_exact)
+        return _estimate(self, plan, m, step, parts, bubble, worst, st, mine, r0, dplan, groups, experts, gbytes,
+                         is_exact)
 
-    def _estimate(self, plan: Plan, m: int, step: float, parts: dict, bubble: float, worst: tuple, st: dict, mine,
-                  r0: int, dplan: Plan, groups, experts, gbytes: float, is_exact: bool) -> Estimate:
-        """The Estimate of a priced plan: its memory, the bytes rank ``r0`` sends, MFU (``parts``: its time by
-        part; empty where the times were not worked out, ``step`` then inf)."""
-        c, p, n_stages = self.costs, self.profile, len(st["F"])
-        into = parts or {"tp_comm": 0.0}  # (without times: only the bytes)
-        ep = {**ep_part_of(plan, into, st, mine[r0], m), **cp_part_of(plan, into, st, mine[r0], m)}  # apart from TP
-        memory = {**worst[1], "activations": int(worst[2]), "buffers": int(worst[3]), "total": int(worst[0])}
-        trained = [x - y for x, y in zip(st["params"], st["frozen"])]
-        n0, f0 = (sum(x[s] for s in mine[r0]) for x in (trained, st["frozen"]))
-        tp_bytes = m * sum(st["tpsent"][x] for x in mine[r0])
-        inside, across = dp_sent(dplan, n0, sum(st["eparams"][s] for s in mine[r0]), m, gbytes, groups, experts, f0)
-        dp_inter = inside * groups.shard_inter + across * groups.replicas_inter  # of it, over inter-node links
-        outs = st["outs"]
-        pp_bytes = max(2 * m * sum(outs[s] for s in x if s < n_stages - 1) for x in mine) if plan.pp > 1 else 0
-        tokens = self.batch * c.seq
-        dtype = self.dtype(plan)
-        peak = p.peak_flops.get(dtype) or p.matmul_flops(dtype)
-        fast = 0 < step < math.inf
-        mfu = c.flops_per_token * tokens / (step * plan.world_size * peak) if fast else 0.0
-        fits = memory["total"] <= self.memory
-        return Estimate(plan, step, parts, bubble, memory, {"tp": int(tp_bytes), "pp": int(pp_bytes),
-                        "dp": int(inside + across), "dp_inter": int(dp_inter), **ep},
-                        mfu, tokens / step if fast else 0.0, fits,
-                        None if fits else f"memory: {gb(memory['total'])} > {gb(self.memory)}", is_exact)
 
+def _estimate(self: Pricer, plan: Plan, m: int, step: float, parts: dict, bubble: float, worst: tuple, st: dict,
+              mine, r0: int, dplan: Plan, groups, experts, gbytes: float, is_exact: bool) -> Estimate:
+    """The Estimate of a priced plan: its memory, the bytes rank ``r0`` sends, MFU (``parts``: its time by
+    part; empty where the times were not worked out, ``step`` then inf)."""
+    c, p, n_stages = self.costs, self.profile, len(st["F"])
+    into = parts or {"tp_comm": 0.0}  # (without times: only the bytes)
+    ep = {**ep_part_of(plan, into, st, mine[r0], m), **cp_part_of(plan, into, st, mine[r0], m)}  # apart from TP
+    memory = {**worst[1], "activations": int(worst[2]), "buffers": int(worst[3]), "total": int(worst[0])}
+    trained = [x - y for x, y in zip(st["params"], st["frozen"])]
+    n0, f0 = (sum(x[s] for s in mine[r0]) for x in (trained, st["frozen"]))
+    tp_bytes = m * sum(st["tpsent"][x] for x in mine[r0])
+    inside, across = dp_sent(dplan, n0, sum(st["eparams"][s] for s in mine[r0]), m, gbytes, groups, experts, f0)
+    dp_inter = inside * groups.shard_inter + across * groups.replicas_inter  # of it, over inter-node links
+    outs = st["outs"]
+    pp_bytes = max(2 * m * sum(outs[s] for s in x if s < n_stages - 1) for x in mine) if plan.pp > 1 else 0
+    tokens = self.batch * c.seq
+    dtype = self.dtype(plan)
+    peak = p.peak_flops.get(dtype) or p.matmul_flops(dtype)
+    fast = 0 < step < math.inf
+    mfu = c.flops_per_token * tokens / (step * plan.world_size * peak) if fast else 0.0
+    fits = memory["total"] <= self.memory
+    return Estimate(plan, step, parts, bubble, memory, {"tp": int(tp_bytes), "pp": int(pp_bytes),
+                    "dp": int(inside + across), "dp_inter": int(dp_inter), **ep},
+                    mfu, tokens / step if fast else 0.0, fits,
+                    None if fits else f"memory: {gb(memory['total'])} > {gb(self.memory)}", is_exact)
 
 def _tensors(self: Pricer, stages: list[int], n_stages: int, b: int, dtype: str) -> int:
     """Parameter tensors of ``stages`` of ``n_stages`` (the optimizer steps each one): the nodes reading a

@@ -24,8 +24,8 @@ from fxpar.ir.quant_ops import HELD_BYTES
 from fxpar.ir.resolved import DEFAULT_BUCKET_BYTES, microbatch_size
 from fxpar.ir.schedule import schedule_record
 
-__all__ = ["ADAM_BYTES", "ADAM_STATES", "BUCKET", "RankSums", "activation_peaks", "fused_saving", "moments",
-           "optimizer_transient", "per_rank", "state_bytes", "step_grads"]
+__all__ = ["ADAM_BYTES", "ADAM_STATES", "BUCKET", "RankSums", "activation_peaks", "fit_bound", "fused_saving",
+           "moments", "optimizer_transient", "per_rank", "state_bytes", "step_grads"]
 
 ADAM_STATES = 2
 ADAM_BYTES = 28  # AdamW per fp32 entry: reads param, grad, 2 states; writes param, 2 states
@@ -215,3 +215,9 @@ def fused_saving(pricer, plan: Plan) -> tuple[float, float]:
     kept, trans = max(post.act.values(), key=sum, default=(0, 0))
     k = pricer.kind("post", plan.tp, plan.sequence_parallel, b, plan.recompute, plan.world_size, pricer.dtype(plan))
     return b * (kept + trans + post.grad_bytes) + m * b * post.kept_out, m * (k[0] + k[1])
+
+
+def fit_bound(pricer, plan: Plan) -> float:
+    """The most memory per rank ``plan`` may price at and still fit, or be made to by the fused loss (at most
+    :func:`fused_saving`'s bytes less): above it a search needs none of its times (``Pricer.price(times_up_to=)``)."""
+    return pricer.memory + (fused_saving(pricer, plan)[0] if pricer.costs.fused is not None else 0)

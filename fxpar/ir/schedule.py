@@ -1,9 +1,8 @@
 """Pipeline schedules as per-rank lists of compute actions, and an event simulator to check and cost them.
 
 A schedule is ``{rank: [Action, ...]}``: the order in which each rank runs forward (F), full backward (B),
-input-only backward (I) and weight-only backward (W) of (stage, microbatch) pairs. Only compute actions are
-listed; fxpar's pipeline runtime routes activations and gradients between any two stages itself, so it needs
-no send/receive actions and no idle slots.
+input-only backward (I) and weight-only backward (W) of (stage, microbatch) pairs: compute actions only (the
+pipeline runtime routes activations and gradients between stages itself: no send/receive, no idle slots).
 
 Design decisions:
 - One :class:`Schedule` record per schedule (:data:`SCHEDULE_RECORDS`): a new schedule is one entry.
@@ -12,9 +11,9 @@ Design decisions:
   ``__init__`` from the stage objects' indices and group size alone, so a stand-in stage (no process group,
   no module) is enough; only F/B/I/W are kept. The import is lazy (gpipe/1f1b need no torch.distributed).
 - ``build_schedule`` validates its inputs and checks every order it returns for completeness and, with
-  ``simulate``, for deadlock, so a torch version that changes its generators cannot hand the runtime an order
-  that hangs. The module is pure (no process group, no device), so it sits in ``ir``: the runtime executes
-  these orders, the cost model and the planner price them, the feasibility checks call ``validate``.
+  ``simulate``, for deadlock: a torch version that changes its generators cannot hand the runtime an order that
+  hangs. Pure (no process group, no device), so in ``ir``: the runtime executes these orders, the cost model
+  and the planner price them, the feasibility checks call ``validate``.
 """
 
 from __future__ import annotations
@@ -96,16 +95,12 @@ class SimResult:
     times: dict[Action, tuple[float, float]] = field(default_factory=dict, repr=False)
 
 
+@functools.lru_cache(maxsize=256)  # the planner asks for the same few names hundreds of thousands of times
 def normalize_schedule(name: str) -> str:
     """The canonical name in SCHEDULES for ``name`` (case, '-', '_' and spaces ignored; torch's class names too)."""
     if not isinstance(name, str):
         raise PlanError(f"pipeline schedule must be a name (str), got {type(name).__name__} {name!r}; "
                         f"use one of {', '.join(SCHEDULES)}")
-    return _canonical(name)
-
-
-@functools.lru_cache(maxsize=256)  # the planner asks for the same few names hundreds of thousands of times
-def _canonical(name: str) -> str:
     key = re.sub(r"[^0-9a-z]", "", name.lower())
     if key.startswith("schedule"):  # torch's class names: ScheduleGPipe, ScheduleInterleaved1F1B, ...
         key = key[len("schedule"):]
@@ -224,8 +219,7 @@ def _gpipe(pp: int, m: int) -> dict[int, list[Action]]:
 
 
 def _one_f_one_b(pp: int, m: int) -> dict[int, list[Action]]:
-    # rank r warms up with pp-1-r forwards (fewer if there are fewer microbatches), then alternates one
-    # forward and one backward, then drains the remaining backwards
+    # rank r warms up with pp-1-r forwards (or m), then alternates one forward and one backward, then drains
     order = {}
     for r in range(pp):
         warmup = min(pp - 1 - r, m)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from itertools import product
 
 from fxpar.cost.estimate import Estimate, Pricer, gb
-from fxpar.cost.memory import fused_saving
+from fxpar.cost.memory import fit_bound, fused_saving
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
 from fxpar.ir.resolved import microbatch_size
@@ -296,8 +296,7 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=Fal
             for sp, z, rc, r, e, q in vs:
                 plan = Plan(dp=dp // e, ep=e, pp=pp, tp=tp, zero=z, microbatches=m, sequence_parallel=sp,
                             recompute=rc, schedule="1f1b", dp_replicate=r, comm_dtype=q, cp=cp)
-                # (with Ulysses to try, the fastest are chosen among all, so every time is needed)
-                room = None if len(modes) > 1 else _room(pricer, plan)
+                room = None if len(modes) > 1 else fit_bound(pricer, plan)  # (Ulysses picks among all times)
                 first.setdefault(m, []).append(pricer.price(plan, exact=False, times_up_to=room))
             # Ulysses for the fastest of them (it changes the attention's bytes and memory, not how ZeRO,
             # recompute or HSDP rank against each other): the 70B x 1024 search priced 10% more plans without it
@@ -322,7 +321,7 @@ def _explore(costs, world, global_batch, pricer, rpn, *, cross_node_tp, int8=Fal
                 for (sp, z, rc, r, e, q), a in product(vs, (won,)):
                     plan = replace(g, dp=dp // e, ep=e, zero=z, sequence_parallel=sp, recompute=rc, dp_replicate=r,
                                    comm_dtype=q, cp_attention=a)
-                    priced.append(pricer.price(plan, exact=False, times_up_to=_room(pricer, plan)))
+                    priced.append(pricer.price(plan, exact=False, times_up_to=fit_bound(pricer, plan)))
     return priced, excluded
 
 
@@ -336,18 +335,13 @@ def _fused(pricer: Pricer, priced: list[Estimate]) -> list[Estimate]:
     best = min((e.step_time for e in priced if e.fits), default=math.inf)
     out = []
     for e in priced:
-        if e.step_time == math.inf:  # too large even for the fused loss's saving (_room)
+        if e.step_time == math.inf:  # too large even for the fused loss's saving (fit_bound)
             continue
         saves, faster = fused_saving(pricer, e.plan)
         if e.step_time - faster < best and e.memory["total"] - saves <= pricer.memory:
             out.append(pricer.price(replace(e.plan, fused_loss=True), exact=False, times_up_to=pricer.memory))
     return out
 
-
-def _room(pricer: Pricer, plan: Plan) -> float:
-    """The most memory per rank ``plan`` may price at and still fit, or be made to by the fused loss (at most
-    :func:`fxpar.cost.memory.fused_saving`'s bytes less): above it the search needs none of its times."""
-    return pricer.memory + (fused_saving(pricer, plan)[0] if pricer.costs.fused is not None else 0)
 
 
 def _refine(fitting: list[Estimate], pricer: Pricer, top: int) -> tuple[list[Estimate], list[Estimate]]:
