@@ -51,11 +51,6 @@ CAUSES = {
     "phimoe": "stochastic model: in train mode PhiMoE's sparsemixer picks experts by Gumbel sampling "
               "(exponential_), so its draws differ from one process's by RNG order and batch split; in eval mode "
               "(deterministic routing) tp=2 and pp=2 give loss and adapters within 5e-7",
-    "zoo:falcon dp=2,zero=3": "ZeRO-3 takes a materialised model's tensors and traces it on meta; Falcon's "
-                              "qkv[:, :, :, [-2]] lifts a constant index tensor, which on meta has a shape and no "
-                              "values: the stage ran with values the trace never had (loss nan) until compile "
-                              "refused such a program (feasibility.check_meta_constants); not fixed: the trace "
-                              "would have to keep the values",
 }
 
 
