@@ -95,7 +95,8 @@ class _Builder:
         """Parameter, gradient and optimizer-state bytes per rank (``fxpar.cost.memory.state_bytes``); the
         ``frozen`` entries' weights under ``"frozen"`` (QLoRA's base at its blocks' bytes per entry)."""
         plan = self.plan
-        return state_bytes(trainable, plan.zero, plan.dp, states, plan.dp_replicate, frozen,
+        # ZeRO shards over dp x cp (HSDP: dp / dp_replicate x cp); cp ranks hold the same parameters
+        return state_bytes(trainable, plan.zero, plan.dp * plan.cp, states, plan.dp_replicate, frozen,
                            HELD_BYTES[plan.base_dtype])
 
     def static_cache(self, batch: int, max_len: int):

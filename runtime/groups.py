@@ -158,27 +158,34 @@ def mesh_groups(spec: MeshSpec, device_type: str, dp_axis: str = "dp_replicate")
     from torch.distributed.device_mesh import init_device_mesh
 
     if spec.dp_replicate > 1:  # HSDP: the dp dimension as (dp_replicate, dp_shard), replicas outermost
-        mesh = init_device_mesh(device_type, (spec.dp_replicate, spec.dp_shard, *spec.shape[1:]),
+        mesh = init_device_mesh(device_type, (spec.dp_replicate, spec.dp_per_shard, *spec.shape[1:]),
                                 mesh_dim_names=("dp_replicate", "dp_shard", *spec.axes[1:]))
-        register_group(spec.shard_group_name(), mesh.get_group("dp_shard"))
         register_group(spec.replicate_group_name(), mesh.get_group("dp_replicate"))
         register_group(spec.group_name("dp"), mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group())
         for axis in spec.axes[1:]:
             register_group(spec.group_name(axis), mesh.get_group(axis))
+        if spec.cp == 1:
+            register_group(spec.shard_group_name(), mesh.get_group("dp_shard"))
+        else:  # context parallelism: a shard group is its dp / dp_replicate ranks x cp (not one mesh dimension)
+            _new_groups(spec, spec.shard_ranks, spec.shard_group_name(), mesh.get_group("cp"))
         return mesh
     dims = tuple(dp_axis if a == "dp" else a for a in spec.axes)  # ("dp", "ep", "pp", "tp") with ep > 1
     mesh = init_device_mesh(device_type, spec.shape, mesh_dim_names=dims)
     for axis, dim in zip(spec.axes, dims):
         register_group(spec.group_name(axis), mesh.get_group(dim))
     if spec.ep > 1:  # expert parallelism: dense gradients average over every data replica (dp x ep)
-        for ranks in sorted({tuple(spec.replica_ranks(r)) for r in range(spec.world_size)}):
-            pg = dist.new_group(list(ranks))
-            if spec.rank in ranks:
-                register_group(spec.replica_group_name(), pg)
+        _new_groups(spec, spec.replica_ranks, spec.replica_group_name())
     if spec.cp > 1:  # context parallelism: gradients reduce (ZeRO shards) over dp x cp
-        for ranks in sorted({tuple(spec.grad_ranks(r)) for r in range(spec.world_size)}):
-            pg = mesh.get_group("cp") if len(ranks) == spec.cp else dist.new_group(list(ranks))
-            if spec.rank in ranks:
-                register_group(spec.grad_group_name(), pg)
+        _new_groups(spec, spec.grad_ranks, spec.grad_group_name(), mesh.get_group("cp"))
     return mesh
+
+
+def _new_groups(spec: MeshSpec, ranks_of, name: str, cp_group=None) -> None:
+    """Create the process group of every rank's ``ranks_of(rank)`` (every rank creates each, in the same order)
+    and register this rank's under ``name``; a group of just this rank's cp ranks is ``cp_group`` where given."""
+    for ranks in sorted({tuple(ranks_of(r)) for r in range(spec.world_size)}):
+        same_as_cp = cp_group is not None and len(ranks) == spec.cp
+        pg = cp_group if same_as_cp else dist.new_group(list(ranks))
+        if spec.rank in ranks:
+            register_group(name, pg)
 

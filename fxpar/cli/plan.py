@@ -60,20 +60,8 @@ def cmd_plan(args) -> int:
             data["ep_load"] = priced.ep.stats
         print(json.dumps(data, indent=2, default=str))
         return 0
-    dp_axis = priced.setup.dp_axis
     # printed as torch's DeviceMesh prints itself; no DeviceMesh is made (it would create process groups)
-    mesh = (f"DeviceMesh(({dp_axis}={plan.dp}, pp={plan.pp}, tp={plan.tp}), 'cpu', "
-            f"stride=({plan.pp * plan.tp}, {plan.tp}, 1))")
-    if plan.dp_replicate > 1:  # HSDP: the dp dimension as (dp_replicate, dp_shard), replicas outermost
-        mesh = (f"DeviceMesh((dp_replicate={plan.dp_replicate}, dp_shard={plan.dp_shard}, pp={plan.pp}, "
-                f"tp={plan.tp}), 'cpu', "
-                f"stride=({plan.dp_shard * plan.pp * plan.tp}, {plan.pp * plan.tp}, {plan.tp}, 1))")
-    if plan.ep > 1:  # expert parallelism sits between dp and pp (fxpar.ir.mesh)
-        mesh = (f"DeviceMesh(({dp_axis}={plan.dp}, ep={plan.ep}, pp={plan.pp}, tp={plan.tp}), 'cpu', "
-                f"stride=({plan.ep * plan.pp * plan.tp}, {plan.pp * plan.tp}, {plan.tp}, 1))")
-    if plan.cp > 1:  # context parallelism sits between pp and tp (fxpar.ir.mesh)
-        mesh = (f"DeviceMesh(({dp_axis}={plan.dp}, pp={plan.pp}, cp={plan.cp}, tp={plan.tp}), 'cpu', "
-                f"stride=({plan.pp * plan.cp * plan.tp}, {plan.cp * plan.tp}, {plan.tp}, 1))")
+    mesh = _device_mesh(plan, priced.setup.dp_axis)
     print(f"plan {plan.to_dict()} on {plan.world_size} ranks, mesh {mesh}; rank 0 shown")
     print(f"predicted times are for {profile.name} ({why}); --device names another profile")
     print(report.to_text())
@@ -156,3 +144,17 @@ def _process_age() -> float | None:
 
 def _dtype(model) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def _device_mesh(plan, dp_axis: str) -> str:
+    """``DeviceMesh((dp_shard=2, pp=2, tp=2), 'cpu', stride=(4, 2, 1))``: the mesh ``plan`` runs on (fxpar.ir.mesh):
+    HSDP's dp as ``(dp_replicate, dp_shard)``, replicas outermost; ``ep`` after dp, ``cp`` before tp where > 1."""
+    dims = [("dp_replicate", plan.dp_replicate), ("dp_shard", plan.dp_shard)] if plan.dp_replicate > 1 \
+        else [(dp_axis, plan.dp)]
+    dims += [("ep", plan.ep)] * (plan.ep > 1) + [("pp", plan.pp)] + [("cp", plan.cp)] * (plan.cp > 1)
+    dims.append(("tp", plan.tp))
+    strides = [1]
+    for _, n in reversed(dims[1:]):
+        strides.insert(0, strides[0] * n)
+    return (f"DeviceMesh(({', '.join(f'{a}={n}' for a, n in dims)}), 'cpu', "
+            f"stride=({', '.join(map(str, strides))}))")

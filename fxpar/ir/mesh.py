@@ -12,9 +12,11 @@ them, so gradients reduce, and ZeRO shards, over the ``dp x cp`` ranks of one pi
 (torchtitan's ``dp_shard_cp``): :meth:`MeshSpec.grad_ranks`, and :meth:`MeshSpec.shard_ranks` with ``cp > 1``.
 
 HSDP (``Plan(dp_replicate=R)``, with ZeRO) splits the dp coordinate into ``dp_rank = replicate_rank *
-dp_shard + shard_rank`` (torchtitan's ``(dp_replicate, dp_shard)`` order, replicas outermost): the
-``dp_shard = dp / R`` ranks of a shard group are neighbours in the mesh (inside a node where the mesh is
-laid over nodes in rank order), the ``R`` copies of each shard are ``dp_shard`` dp ranks apart.
+(dp / R) + shard_rank`` (torchtitan's ``(dp_replicate, dp_shard)`` order, replicas outermost): the
+``dp / R`` dp ranks of a shard group are neighbours in the mesh (inside a node where the mesh is laid over
+nodes in rank order), the ``R`` copies of each shard are ``dp / R`` dp ranks apart. With ``cp > 1`` a shard
+group is those dp ranks times every cp rank (``dp_shard = dp / R x cp``, torchtitan's ``dp_shard_cp``), and
+the copies of a shard have the same cp rank.
 
 It holds no process group, so passes, the cost model and the planner can reason about any world size on
 one process (as JAX's ``AbstractMesh``); ``fxpar.runtime.groups`` turns it into a
@@ -57,8 +59,8 @@ class MeshSpec:
         for axis in (*AXES, "dp_replicate"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"MeshSpec.{axis}={getattr(self, axis)}: must be >= 1")
-        if self.dp % self.dp_replicate or (self.dp_replicate > 1 and (self.ep > 1 or self.cp > 1)):
-            raise ValueError(f"MeshSpec.dp_replicate={self.dp_replicate}: must divide dp={self.dp}, with ep=cp=1")
+        if self.dp % self.dp_replicate or (self.dp_replicate > 1 and self.ep > 1):
+            raise ValueError(f"MeshSpec.dp_replicate={self.dp_replicate}: must divide dp={self.dp}, with ep=1")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"MeshSpec.rank={self.rank}: the mesh has {self.world_size} ranks")
 
@@ -189,43 +191,43 @@ class MeshSpec:
         return "dpcp:" + ",".join(map(str, self.grad_ranks(rank)))
 
     # ---- HSDP: the dp axis as (dp_replicate, dp_shard) ---------------------------------------------
+    dp_per_shard = property(lambda self: self.dp // self.dp_replicate)  # dp ranks of a shard group (all without HSDP)
+
     @property
     def dp_shard(self) -> int:
         """Ranks a ZeRO shard group spans: ``dp / dp_replicate`` (``dp`` without HSDP), times ``cp``."""
-        return self.dp // self.dp_replicate * self.cp
+        return self.dp_per_shard * self.cp
 
     @property
     def dp_shard_rank(self) -> int:
         """This rank's place in its shard group: which slice of each ZeRO bucket it holds."""
-        return self.dp_rank % (self.dp // self.dp_replicate) * self.cp + self.cp_rank
+        return self.dp_rank % self.dp_per_shard * self.cp + self.cp_rank
 
     @property
     def dp_replicate_rank(self) -> int:
         """Which copy of the sharded state this rank's shard group is."""
-        return self.dp_rank // self.dp_shard
+        return self.dp_rank // self.dp_per_shard
 
     def shard_ranks(self, rank: int | None = None) -> list[int]:
         """Global ranks of ``rank``'s shard group (same replica, pp and tp coordinates; every cp rank), in order."""
-        if self.cp > 1:
+        if self.cp > 1 and self.dp_replicate == 1:
             return self.grad_ranks(rank)
-        c = self.coords(rank)
-        first = c["dp"] // self.dp_shard * self.dp_shard
-        return [self.rank_of(first + s, c["pp"], c["tp"]) for s in range(self.dp_shard)]
+        c, n = self.coords(rank), self.dp_per_shard
+        first = c["dp"] // n * n
+        return [self.rank_of(first + s, c["pp"], c["tp"], c.get("ep", 0), k) for s in range(n) for k in range(self.cp)]
 
     def replicate_ranks(self, rank: int | None = None) -> list[int]:
         """Global ranks holding the same ZeRO shards as ``rank`` (its copies across replicas), in order."""
         if self.dp_replicate == 1:
             return [self.rank if rank is None else rank]
-        c = self.coords(rank)
-        s = c["dp"] % self.dp_shard
-        return [self.rank_of(r * self.dp_shard + s, c["pp"], c["tp"]) for r in range(self.dp_replicate)]
+        c, n = self.coords(rank), self.dp_per_shard
+        return [self.rank_of(r * n + c["dp"] % n, c["pp"], c["tp"], cp=c.get("cp", 0))
+                for r in range(self.dp_replicate)]
 
     def shard_group_name(self, rank: int | None = None) -> str:
-        """The group ZeRO shards over: ``group_name("dp")`` without HSDP, else ``"dp_shard:<ranks>"``."""
-        if self.cp > 1:
-            return self.grad_group_name(rank)
+        """ZeRO's group: ``group_name("dp")`` (:meth:`grad_group_name` with cp), with HSDP ``"dp_shard:<ranks>"``."""
         if self.dp_replicate == 1:
-            return self.group_name("dp", rank)
+            return self.grad_group_name(rank) if self.cp > 1 else self.group_name("dp", rank)
         return "dp_shard:" + ",".join(map(str, self.shard_ranks(rank)))
 
     def replicate_group_name(self, rank: int | None = None) -> str:

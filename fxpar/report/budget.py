@@ -73,7 +73,7 @@ def communication(compiled) -> list[dict]:
     plan, stages = v.plan, v.my_stages()
     numel, size = trainable(v)
     return (step_collectives([s.gm for s in stages], v.microbatches)
-            + data_parallel_collectives(numel, size, plan.dp, plan.zero, plan.dp_replicate)
+            + data_parallel_collectives(numel, size, plan.dp * plan.cp, plan.zero, plan.dp_replicate)  # over dp x cp
             + pipeline_transfers(stages, v.microbatches))
 
 

@@ -69,6 +69,7 @@ class Report:
             measured = {k: v for k, v in e.comm.items() if v}
         groups = {"shard": c.mesh.shard_group_name(), "replicate": c.mesh.replicate_group_name()}  # HSDP's two
         return {"zero": c.plan.zero, "dp": c.replicas, "dp_replicate": c.plan.dp_replicate, "groups": groups,
+                "dp_shard": c.mesh.dp_shard,  # ranks of a shard group: dp / dp_replicate, times cp
                 "buckets": buckets, "measured_comm": measured, "memory": c.memory}
 
     def data_parallel_table(self) -> str:
@@ -76,7 +77,7 @@ class Report:
         lines = [f"data parallel: dp={d['dp']}, ZeRO-{d['zero']}, {len(d['buckets'])} buckets"]
         if d["dp_replicate"] > 1:
             r, g = d["dp_replicate"], d["groups"]
-            lines[0] += (f"; HSDP: {r} replicas x shard groups of {d['dp'] // r} (this rank: shards over "
+            lines[0] += (f"; HSDP: {r} replicas x shard groups of {d['dp_shard']} (this rank: shards over "
                          f"{g['shard']}, copies over {g['replicate']})")
         for i, b in enumerate(d["buckets"]):
             lines.append(f"  bucket {i}: {b['params']} params from {b['first']}, {human(b['bytes'])}B"

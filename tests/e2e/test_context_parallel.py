@@ -115,7 +115,9 @@ def cp_training(name: str, plan: str, batch: int, seq: int, packed: bool, extras
             "norm": abs(compiled.last_grad_norm - norm) / norm, "eval": evaluated, "logits": logits,
             "kv": tap.bytes, "kv_theory": kv_theory(name, batch // p.dp, seq), "refused": refused,
             "reported_a2a": sent, "a2a_theory": ulysses_theory(name, batch // p.dp, seq, p.cp, p.tp, overrides),
-            "kept": "kept the all-gather" in text}
+            "kept": "kept the all-gather" in text,
+            "groups": (compiled.spec.shard_ranks(), compiled.spec.replicate_ranks()),
+            "replicated": compiled.engine.comm["all_reduce"] if compiled.engine is not None else 0}
 
 
 @pytest.mark.parametrize("name,plan,packed,extras", [
@@ -147,6 +149,20 @@ def test_context_parallel_trains_as_one_process(pool2, pool4, pool8, name, plan,
     for kind in ("all_gather_rs_bwd", "reduce_scatter"):
         again = 2 if kind == "all_gather_rs_bwd" and p.recompute == "layer" else 1
         assert sum(r["kv"][kind] for r in results) == results[0]["kv_theory"] * p.dp * p.cp * again, (kind, results)
+
+
+def test_context_parallel_with_hsdp_trains_as_one_process(pool8):
+    """HSDP with cp (dp=4 = 2 replicas x 2): ZeRO-3 shards over a replica's dp / dp_replicate x cp ranks, each
+    shard all-reduced across its dp_replicate copies (same cp rank); equal to one process."""
+    results = pool8.run(cp_training, "llama", "dp=4,dp_replicate=2,cp=2,zero=3", 4, 16, True, False, timeout=300)
+    full = 4 * sum(p.numel() for p in zoo.build("llama").parameters())
+    for r in results:
+        assert r["loss"] <= TOL and r["weights"] <= TOL and r["norm"] <= TOL, r
+        assert r["moved"] > 1e-3, r
+        assert full // 4 <= r["replicated"] <= full // 4 + 4 * 16, r  # the replicas exchange one shard of four
+    # ranks are (dp rank x 2 + cp rank): dp ranks 0, 1 (both cp ranks) shard together, dp rank d copies d + 2
+    assert {tuple(r["groups"][0]) for r in results} == {(0, 1, 2, 3), (4, 5, 6, 7)}
+    assert {tuple(r["groups"][1]) for r in results} == {(0, 4), (1, 5), (2, 6), (3, 7)}
 
 
 @pytest.mark.parametrize("name,plan,overrides", [

@@ -53,3 +53,7 @@ def test_hsdp_splits_dp_into_replicas_of_neighbouring_shard_groups():
     assert flat.shard_group_name() == flat.group_name("dp") == "dp:0,2,4,6" and flat.dp_shard_rank == 3
     with pytest.raises(ValueError, match="dp_replicate=3"):
         MeshSpec(dp=4, dp_replicate=3)
+    # with cp, a shard group is the replica's dp / dp_replicate ranks x every cp rank; copies keep the cp rank
+    c = MeshSpec(dp=4, cp=2, tp=2, dp_replicate=2, rank=13)  # dp rank 3 (replica 1, shard 1), cp rank 0, tp 1
+    assert (c.dp_replicate_rank, c.dp_shard_rank, c.dp_shard) == (1, 2, 4)
+    assert c.shard_group_name() == "dp_shard:9,11,13,15" and c.replicate_group_name() == "dp_replicate:5,13"
