@@ -101,7 +101,8 @@ def train_against_reference(compiled, reference: torch.nn.Module, optimizer: Cal
     """``steps`` training steps of a compiled model next to a single-process ``reference`` (same initial
     weights) on the same batch; the worst loss difference and the worst parameter difference (the
     compiled model's gathered ``full_state_dict`` after every step), and with ``grads`` the worst
-    difference of every gathered gradient. ``every_step=False`` compares the parameters after the last
+    difference of every gathered gradient (a parameter eager gives none compared with zeros, which is what
+    ``full_state_dict(grads=True)`` holds for it). ``every_step=False`` compares the parameters after the last
     step only (with ``grads``, every step's gradients already pin each update down)."""
     ref_opt = optimizer(reference.parameters())
     out = {"loss": 0.0, "weights": 0.0, **({"grad": 0.0} if grads else {})}
@@ -112,8 +113,9 @@ def train_against_reference(compiled, reference: torch.nn.Module, optimizer: Cal
         ref_loss.backward()
         if grads:
             got = compiled.full_state_dict(grads=True)
-            for k, p in reference.named_parameters(remove_duplicate=False):
-                out["grad"] = max(out["grad"], (got[k] - p.grad).abs().max().item())
+            for k, p in reference.named_parameters(remove_duplicate=False):  # no gradient: zeros, as got's
+                want = p.grad if p.grad is not None else torch.zeros_like(p)
+                out["grad"] = max(out["grad"], (got[k] - want).abs().max().item())
         ref_opt.step()
         out["loss"] = max(out["loss"], abs(loss.item() - ref_loss.item()))
         if not every_step and i < steps - 1:
