@@ -28,6 +28,7 @@ from fxpar.passes.expert_parallel import expert_parallel, expert_regions
 from fxpar.passes.fused_loss import fuse_loss
 from fxpar.passes.lower_collectives import lower_collectives
 from fxpar.passes.materialize_weights import materialize_weights
+from fxpar.passes.param_updates import needed as param_updates_needed
 from fxpar.passes.param_updates import param_updates
 from fxpar.passes.pipeline_split import loss_position, split_pipeline
 from fxpar.passes.quantize_base import check as quantize_base_check
@@ -160,7 +161,8 @@ STAGE_PASSES = (  # StageSpec -> StageSpec, only the stages this rank runs, pass
     # after the weights (each rank quantizes the TP shard it holds), before anything that reads the graph's linears
     Pass("quantize_base", quantize_base, when=lambda c: c.plan.base_dtype is not None),
     # before zero3: an in-place update of a parameter's detached value would update a view of its gathered bucket
-    Pass("param_updates", param_updates, when=lambda c: c.plan.zero == 3),
+    # (and, in a pipeline, bump the version of the value an earlier microbatch's backward saved)
+    Pass("param_updates", param_updates, when=lambda c: param_updates_needed(c.plan, c.program)),
     Pass("zero3", _zero3, when=lambda c: c.plan.zero == 3),  # after TP and split: shards what this rank holds
     # under bf16 autocast, or where Dynamo will trace the stage (its docstring says why)
     Pass("drop_dtype_asserts", drop_dtype_asserts,
