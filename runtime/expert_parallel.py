@@ -75,7 +75,7 @@ def format_load(stats: dict[str, dict]) -> str:
 
 class ExpertParallelRecord:
     """``CompiledModel.ep``: ``info`` (the pass's :class:`~fxpar.ir.expert_ops.EpResult`, None without
-    ep), ``expert_ids`` (ids of the expert slices this rank holds: reduced over dp only, gathered over ep),
+    ep), ``expert_ids`` (ids of the expert slices this rank holds: reduced over dp (x cp) only, gathered over ep),
     and of the last step (a priced model: of the example batch, routed on one process): ``stats``, per MoE
     layer the load over this rank's ep group (``tokens_per_expert``, ``tokens_per_rank``, ``imbalance``),
     and ``comm``, the bytes this rank sent to other ranks per op (see the module docstring)."""

@@ -92,9 +92,9 @@ class GradClipper:
             if tp.layout(fqn) is None and mesh.tp_rank != 0:
                 return False  # whole on every TP rank
             # whole gradients are the same on every data replica and cp rank (an expert slice's: on every
-            # dp rank); a ZeRO slice is its shard rank's own, the same on each of HSDP's replicas (counted on
+            # dp and cp rank); a ZeRO slice is its shard rank's own, the same on each of HSDP's replicas (counted on
             # the first)
-            return mesh.dp_replicate_rank == 0 if not whole else (mesh.dp_rank if fqn in experts
+            return mesh.dp_replicate_rank == 0 if not whole else (mesh.dp_rank + mesh.cp_rank if fqn in experts
                                                                    else mesh.grad_rank) == 0
 
         self.tensors: list[torch.Tensor] = []

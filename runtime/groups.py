@@ -177,6 +177,9 @@ def mesh_groups(spec: MeshSpec, device_type: str, dp_axis: str = "dp_replicate")
         _new_groups(spec, spec.replica_ranks, spec.replica_group_name())
     if spec.cp > 1:  # context parallelism: gradients reduce (ZeRO shards) over dp x cp
         _new_groups(spec, spec.grad_ranks, spec.grad_group_name(), mesh.get_group("cp"))
+        if spec.ep > 1:  # an expert slice's: over the dp x cp ranks of its ep rank
+            _new_groups(spec, lambda r: spec.grad_ranks(r, experts=True), spec.grad_group_name(experts=True),
+                        mesh.get_group("cp"))
     return mesh
 
 

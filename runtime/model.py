@@ -253,7 +253,7 @@ def make_engine(named, factory, groups: ParamGroups | None, result: CompileResul
             raise RuntimeError(f"fxpar.runtime.model: ZeRO-3 buckets {mixed[:2]} mix optimizer parameter groups")
         group_of = {id(p): groups.index(canonical.get(id(p), n)) for n, p in named if p.requires_grad}
     if mesh.grad_size > 1 or plan.zero:
-        expert_group = (mesh.group_name("dp"), mesh.dp, mesh.dp_rank)
+        expert_group = (mesh.grad_group_name(experts=True), mesh.dp * mesh.cp, mesh.dp_rank * mesh.cp + mesh.cp_rank)
         dense_group = (mesh.grad_group_name(), mesh.grad_size, mesh.grad_rank)
         if mesh.dp_replicate > 1:  # HSDP (ep=1): shards over the shard group, each shard's copies over replicas
             dense_group = (mesh.shard_group_name(), mesh.dp_shard, mesh.dp_shard_rank)

@@ -173,22 +173,21 @@ class MeshSpec:
         """Ranks a dense parameter's gradient reduces over: ``dp * ep * cp``."""
         return self.replicas * self.cp
 
-    @property
-    def grad_rank(self) -> int:
-        """This rank's place in :meth:`grad_ranks`."""
-        return self.replica_rank * self.cp + self.cp_rank
+    grad_rank = property(lambda self: self.replica_rank * self.cp + self.cp_rank)  # this rank's place in grad_ranks
 
-    def grad_ranks(self, rank: int | None = None) -> list[int]:
-        """Global ranks of ``rank``'s dense-gradient group: its replicas and, in each, every cp rank."""
+    def grad_ranks(self, rank: int | None = None, experts: bool = False) -> list[int]:
+        """Global ranks of ``rank``'s dense-gradient group: its replicas and, in each, every cp rank; ``experts``:
+        its expert slices' group (only its ep rank: every dp and cp rank, ``dp_rank * cp + cp_rank`` in it)."""
         c = self.coords(rank)
-        return [self.rank_of(d, c["pp"], c["tp"], e, k) for d in range(self.dp) for e in range(self.ep)
-                for k in range(self.cp)]
+        eps = [c.get("ep", 0)] if experts else range(self.ep)
+        return [self.rank_of(d, c["pp"], c["tp"], e, k) for d in range(self.dp) for e in eps for k in range(self.cp)]
 
-    def grad_group_name(self, rank: int | None = None) -> str:
-        """The name of :meth:`grad_ranks`' group: :meth:`replica_group_name` without cp, else ``"dpcp:..."``."""
+    def grad_group_name(self, rank: int | None = None, experts: bool = False) -> str:
+        """The name of :meth:`grad_ranks`' group: :meth:`replica_group_name` (``experts``: ``group_name("dp")``)
+        without cp, else ``"dpcp:..."``."""
         if self.cp == 1:
-            return self.replica_group_name(rank)
-        return "dpcp:" + ",".join(map(str, self.grad_ranks(rank)))
+            return self.group_name("dp", rank) if experts else self.replica_group_name(rank)
+        return "dpcp:" + ",".join(map(str, self.grad_ranks(rank, experts)))
 
     # ---- HSDP: the dp axis as (dp_replicate, dp_shard) ---------------------------------------------
     dp_per_shard = property(lambda self: self.dp // self.dp_replicate)  # dp ranks of a shard group (all without HSDP)

@@ -39,15 +39,12 @@ def check_combinations(plan) -> None:
 
 
 def _check_cp(plan) -> None:
-    """Context parallelism composes with dp, ZeRO (HSDP too), tp and pp; ep and sequence parallelism with it are
-    not built yet."""
-    others = {k: getattr(plan, k) for k in ("ep",) if getattr(plan, k) > 1}
+    """Context parallelism composes with dp, ZeRO (HSDP too), ep, tp and pp; sequence parallelism with it is not
+    built yet."""
     if plan.sequence_parallel:
-        others["sequence_parallel"] = True
-    if others:
-        listed = ", ".join(f"{k}={v}" for k, v in others.items())
-        raise PlanError(f"Plan(cp={plan.cp}, {listed}): context parallelism composes with dp, ZeRO, HSDP, tp and "
-                        f"pp so far (fxpar/passes/context_parallel.py); use cp with those, or leave {listed} out")
+        raise PlanError(f"Plan(cp={plan.cp}, sequence_parallel=True): context parallelism composes with dp, ZeRO, "
+                        "HSDP, ep, tp and pp so far, not with sequence parallelism (fxpar/passes/context_parallel.py); "
+                        "use cp with tp and sequence_parallel=False, or leave cp out")
 
 
 def check_hsdp(plan) -> None:

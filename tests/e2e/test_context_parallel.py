@@ -1,9 +1,9 @@
 """Context parallelism (``Plan(cp=N)``) on gloo ranks against one process: the loss, the gradient norm and
 every parameter after an SGD step of learning rate 1 (so every gradient entry) equal the single-process run's,
 on a grouped-query Llama with a packed batch of several documents per row (position ids restarting) and
-ignored labels, alone and with dp, ZeRO, tp and pp, on a Gemma-2 (sliding-window layers, soft-capped eager
-attention) and a Mistral (a sliding window on every layer); evaluation gives the unsplit loss, generation is
-refused; each layer's key/value bytes equal the theory."""
+ignored labels, alone and with dp, ZeRO, HSDP, tp and pp, on a Gemma-2 (sliding-window layers, soft-capped
+eager attention), a Mistral (a sliding window on every layer) and a Mixtral with expert parallelism; evaluation
+gives the unsplit loss, generation is refused; each layer's key/value bytes equal the theory."""
 
 from __future__ import annotations
 
@@ -151,15 +151,24 @@ def test_context_parallel_trains_as_one_process(pool2, pool4, pool8, name, plan,
         assert sum(r["kv"][kind] for r in results) == results[0]["kv_theory"] * p.dp * p.cp * again, (kind, results)
 
 
-def test_context_parallel_with_hsdp_trains_as_one_process(pool8):
-    """HSDP with cp (dp=4 = 2 replicas x 2): ZeRO-3 shards over a replica's dp / dp_replicate x cp ranks, each
-    shard all-reduced across its dp_replicate copies (same cp rank); equal to one process."""
-    results = pool8.run(cp_training, "llama", "dp=4,dp_replicate=2,cp=2,zero=3", 4, 16, True, False, timeout=300)
-    full = 4 * sum(p.numel() for p in zoo.build("llama").parameters())
+@pytest.mark.parametrize("name,plan", [
+    ("llama", "dp=4,dp_replicate=2,cp=2,zero=3"),  # HSDP: 2 replicas of dp=2
+    ("mixtral", "ep=2,cp=2,zero=1"),  # tokens to their experts' ep rank; expert slices reduced over dp x cp
+])
+def test_context_parallel_with_hsdp_or_ep_trains_as_one_process(pool4, pool8, name, plan):
+    """HSDP with cp: ZeRO shards over a replica's dp / dp_replicate x cp ranks, each shard all-reduced across its
+    dp_replicate copies (same cp rank). ep with cp: each cp rank's tokens go to their experts' ep rank, expert
+    gradients reduce over the dp x cp ranks of an ep rank. Both equal to one process."""
+    pool = {4: pool4, 8: pool8}[fxpar.Plan.parse(plan).world_size]
+    results = pool.run(cp_training, name, plan, 4, 16, True, False, timeout=300)
     for r in results:
         assert r["loss"] <= TOL and r["weights"] <= TOL and r["norm"] <= TOL, r
         assert r["moved"] > 1e-3, r
-        assert full // 4 <= r["replicated"] <= full // 4 + 4 * 16, r  # the replicas exchange one shard of four
+    if "dp_replicate" not in plan:
+        return
+    full = 4 * sum(p.numel() for p in zoo.build(name).parameters())
+    for r in results:  # the replicas exchange one shard of four
+        assert full // 4 <= r["replicated"] <= full // 4 + 4 * 16, r
     # ranks are (dp rank x 2 + cp rank): dp ranks 0, 1 (both cp ranks) shard together, dp rank d copies d + 2
     assert {tuple(r["groups"][0]) for r in results} == {(0, 1, 2, 3), (4, 5, 6, 7)}
     assert {tuple(r["groups"][1]) for r in results} == {(0, 4), (1, 5), (2, 6), (3, 7)}

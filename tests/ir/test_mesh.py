@@ -57,3 +57,6 @@ def test_hsdp_splits_dp_into_replicas_of_neighbouring_shard_groups():
     c = MeshSpec(dp=4, cp=2, tp=2, dp_replicate=2, rank=13)  # dp rank 3 (replica 1, shard 1), cp rank 0, tp 1
     assert (c.dp_replicate_rank, c.dp_shard_rank, c.dp_shard) == (1, 2, 4)
     assert c.shard_group_name() == "dp_shard:9,11,13,15" and c.replicate_group_name() == "dp_replicate:5,13"
+    # with ep, an expert slice's gradients reduce over the dp x cp ranks of its ep rank, dense ones over dp x ep x cp
+    e = MeshSpec(dp=2, ep=2, cp=2, rank=5)  # dp 1, ep 0, cp 1
+    assert e.grad_group_name(experts=True) == "dpcp:0,1,4,5" and e.grad_group_name() == "dpcp:0,1,2,3,4,5,6,7"
