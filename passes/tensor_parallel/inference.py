@@ -22,6 +22,10 @@ per-layer token tables) is vocabulary-parallel; position, type and other small t
 as in Megatron (a table indexed by computed positions is small and its all-reduce would cost as much as
 the lookup). A linear whose output only reaches the graph's outputs or a cross-entropy (the LM head) is
 column-parallel: the loss is vocabulary-parallel and a training step never gathers the logits.
+
+Sizes a trace reads from the data (unbacked symbols: a patch or token count) are compared only where the
+answer is statically known (``statically_known_true``): two shapes are the same, a dim is 1 or divides by tp,
+only when the symbols' facts prove it, else the walk takes the cautious answer instead of guarding.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import operator
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+from torch.fx.experimental.symbolic_shapes import sym_eq
 
 from fxpar.ir import meta
 from fxpar.ir.op_classes import (
@@ -103,7 +109,7 @@ class _Graph:
                 or pkt is aten.cat or node.target is operator.getitem or is_pointwise(node)
             # operands broadcast into it (rotary tables, scales) are not what it is made of
             ok = carrier and all(self.made_of_linears(a) for a in node.all_input_nodes
-                                 if _shape(a) == _shape(node) or len(node.all_input_nodes) == 1)
+                                 if known(sym_eq(_shape(a), _shape(node))) or len(node.all_input_nodes) == 1)
         self._made[node] = ok
         return ok
 
@@ -115,7 +121,8 @@ def _moved(user: torch.fx.Node, src: torch.fx.Node, d: int, tp: int) -> int | No
     od = moved(user, d)
     if od is None or packet(user) not in RESHAPES:
         return od
-    keeps = _shape(user)[od] == _shape(src)[d] or not (_shape(user)[od] % tp or _shape(src)[d] % tp)
+    keeps = known(_shape(user)[od] == _shape(src)[d]) or (known(_shape(user)[od] % tp == 0)
+                                                          and known(_shape(src)[d] % tp == 0))
     return od if keeps else None
 
 
@@ -159,7 +166,7 @@ class _Walk:
             if a is skip:
                 continue
             ad = out_dim - (no - _ndim(a))
-            if ad < 0 or _ndim(a) < 0 or _shape(a)[ad] == 1 or self.seen.get(a) == ad:
+            if ad < 0 or _ndim(a) < 0 or known(_shape(a)[ad] == 1) or self.seen.get(a) == ad:
                 continue
             if self.g.order[a] < self.g.order[self.start] and not self.g.made_of_linears(a):
                 return False  # made before the walk's linear (a residual stream): fail now

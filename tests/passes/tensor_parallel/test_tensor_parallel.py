@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from transformers.modeling_outputs import CausalLMOutput
 
 import fxpar
 from fxpar import zoo
@@ -224,3 +225,42 @@ def test_inspection_shows_placements_and_collectives_per_layer(pool2):
     assert "model.layers.0" in r["table"] and "tensor parallel: tp=2" in r["text"]
     # the per-rank graph: placements in DTensor notation and the collective where the MLP's sum is taken
     assert "Shard(2)" in r["graph"] and "Partial()" in r["graph"] and "fxpar.all_reduce" in r["graph"]
+
+
+class DataDependentRows(torch.nn.Module):
+    """Rows kept up to a count read from the data (``n.max().item()``: an unbacked size, as blt's patch count),
+    then an MLP the TP pass infers whose hidden state is gated by linears made before it, one of them of one
+    row broadcast over the kept rows (its shape compared with theirs: 1 against the unbacked count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.gate = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8)
+
+    def forward(self, x, n):
+        k = n.max().item()
+        torch._check(1 <= k)
+        torch._check(k <= x.shape[1])
+        h = x[:, :k]
+        gate = self.first(x[:, :1]) * torch.sigmoid(self.gate(h))  # [b, 1, 16] x [b, k, 16]
+        return CausalLMOutput(loss=self.down(torch.relu(self.up(h)) * gate).pow(2).mean())
+
+
+def data_dependent_tp_step() -> dict:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(2, 6, 8), "n": torch.tensor([3, 4])}
+    model, ref = DataDependentRows(), DataDependentRows()
+    ref.load_state_dict(model.state_dict())
+    compiled = fxpar.compile(model, "tp=2", example_kwargs=batch, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                             timeout=60)
+    return {**train_against_reference(compiled, ref, lambda ps: torch.optim.SGD(ps, lr=0.1), batch, 1, grads=True),
+            "sharded": sorted(compiled.tp_info.sharded)}
+
+
+def test_an_unbacked_size_under_tp2_equals_one_process(pool2):
+    """A size read from the data is an unbacked symbol in the trace: the inferred plan's shape comparisons
+    take it as "not known equal" instead of guarding on it (GuardOnDataDependentSymNode: blt under tp=2)."""
+    for r in pool2.run(data_dependent_tp_step):
+        assert "up.weight" in r["sharded"], r
+        assert max(r["loss"], r["grad"], r["weights"]) <= 1e-6, r
