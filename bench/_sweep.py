@@ -46,6 +46,11 @@ def build(arch: str, seq: int = SEQ):
     raise errors[0]
 
 
+def four_rows(batch: dict) -> dict:
+    """``build``'s 2 rows and 2 more (each row's tokens rolled by one): 4, for dp=2 x 2 microbatches."""
+    return {k: torch.cat([v, v.roll(1, -1)]) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def run_sweep(check, archs: list[str], n: int, limit: int, fails: str, line, save=None) -> list[dict]:
     """``check(arch, n)`` on ``n`` gloo ranks for each architecture: rank 0's dict, with the worst loss and
     gradient difference over the ranks and ``equal`` / ``differs`` where the ranks set no status of their

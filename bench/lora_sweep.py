@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # bench/ (the ranks load this file by path)
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "e2e"))  # test_lora's helpers
 from _docs import replace_section  # noqa: E402
-from _sweep import arguments, build, md, results_of, run_sweep  # noqa: E402
+from _sweep import arguments, build, four_rows, md, results_of, run_sweep  # noqa: E402
 from registry_sweep import _why  # noqa: E402
 
 SECTION = "## LoRA against PEFT on registry architectures"  # of docs/benchmarks.md
@@ -85,9 +85,9 @@ def _model(arch: str):
         name = arch[4:]
         model = zoo.build(name, seed=0).train()
         batch = zoo.example_inputs(name, zoo.tiny_config(name), batch=4, seq=8)
-    else:  # registry_sweep's 2 rows and 2 more (each row's tokens rolled by one): 4, for dp=2 x 2 microbatches
+    else:  # registry_sweep's 2 rows and 2 more: 4, for dp=2 x 2 microbatches
         model, batch = build(arch)
-        batch = {k: torch.cat([v, v.roll(1, -1)]) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = four_rows(batch)
     names = targets(model)
     torch.manual_seed(1)
     return get_peft_model(model, LoraConfig(r=R, target_modules=names, lora_dropout=0.0,
