@@ -49,7 +49,7 @@ class Zero3Regather:
         # (shard, group, dim, dtype, comm_dtype));
         # the weak ref tells a live bucket from a later tensor that happens to reuse a freed bucket's address
         self.buckets: dict[int, tuple] = {}
-        self.regathered: dict[bool, tuple] = {}  # frozen? -> (the shard, its regathered bucket)
+        self.regathered: dict[tuple, tuple] = {}  # _kind -> (the shard, its regathered bucket)
         self._observing = None
         self._hooks = None
 

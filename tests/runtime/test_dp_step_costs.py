@@ -195,4 +195,4 @@ def test_regather_holds_a_frozen_and_a_trained_bucket_apart(monkeypatch):
 
 
 def regathered_shards(regather) -> dict:
-    return {"frozen" if frozen else "trained": id(held[0]) for frozen, held in regather.regathered.items()}
+    return {"frozen" if kind[0] else "trained": id(held[0]) for kind, held in regather.regathered.items()}
