@@ -72,7 +72,9 @@ def test_llama70b_on_1024_ranks_in_seconds():
     seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
     print(f"70B-shaped search over world 1024: {seconds:.2f} s wall, {cpu:.2f} s cpu, "
           f"{len(auto.ranked) + len(auto.rejected)} plans")
-    assert cpu < 3
+    # under 3 s of CPU on the quiet 2-core dev host, 3-4 s when it is loaded (its CPU seconds vary 2x from hour
+    # to hour, and the CI host is slower still): the bound catches a search that prices 2-3x more than it does
+    assert cpu < 6, cpu
     best = auto.estimate
     assert best.fits and best.plan.world_size == 1024 and auto.best == best.plan
     times = [e.step_time for e in auto.ranked]
