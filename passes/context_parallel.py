@@ -31,6 +31,12 @@ identity), and gradients sum over ``dp x cp`` in the data-parallel engine, as on
 whole value added to a partial one counts ``1 / cp`` on each rank; a partial value an op needs whole is
 all-reduced, its gradient all-reduced back.
 
+**MoE.** A token-local MoE (the router's ``topk`` over the experts, the (token, k) pairs sorted by expert, the
+rows picked in that order, grouped matmuls, the rows put back by the sort's inverse, ep's dispatch and combine
+between) runs on this rank's tokens with no communication (:mod:`fxpar.passes.cp_tokens`); where a value in
+this rank's own row order meets an op with no rule for it, the pass runs again with the sort (and the view
+that flattened the rows) falling back, so the MoE runs on the whole sequence as before.
+
 Any op without a rule gets its sharded inputs gathered (correct, and named in ``CpResult.gathered`` so
 ``fxpar inspect`` shows it).
 """
@@ -68,6 +74,7 @@ class CpResult:
     ulysses: list[str] = field(default_factory=list)  # attention nodes that trade sequence for heads by all-to-all
     all_to_alls: list[str] = field(default_factory=list)  # their key/value roots sent by all-to-all
     kept: dict[str, str] = field(default_factory=dict)  # attention -> why it keeps the all-gather (ulysses, auto)
+    token_local: list[str] = field(default_factory=list)  # nodes run on this rank's rows in its own order (MoE)
 
 
 def sequence_length(program: Program) -> int:
@@ -93,13 +100,11 @@ def check(program: Program, cp: int) -> None:
                         f"{fits or [1]}")
 
 
-def context_parallel(program: Program, cp: int, rank: int, group: str, keep_outputs: set[int] | None = None,
-                     attention: str = "allgather") -> tuple[Program, CpResult]:
-    """``program`` rewritten for cp rank ``rank`` of ``cp`` in group ``group``. ``keep_outputs``: the user
-    output positions returned whole (the loss); other sharded outputs stay this rank's rows (as TP leaves the
-    logits vocabulary-sharded). ``attention``: ``Plan.cp_attention`` (``"ulysses"`` and ``"auto"``:
-    :mod:`fxpar.passes.cp_ulysses`)."""
-    check(program, cp)
+def _rewrite(program: Program, cp: int, rank: int, group: str, keep_outputs, attention: str,
+             refused: frozenset | None):
+    """One run of the rewrite on a copy of the traced graph; the token-local ops named in ``refused`` fall
+    back (None: every one). Returns the graph, the result and the ops whose token-local values met a reader
+    with no rule."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(program.gm.graph, {})  # the traced program is left as it was
     graph.output(out)
@@ -113,12 +118,35 @@ def context_parallel(program: Program, cp: int, rank: int, group: str, keep_outp
     if uly is not None:
         cp_ulysses.mark(gm, uly)
         res.kept = dict(uly.kept)
-    rw = Rewriter(gm, program, layout, roots, res, uly)
+    off = None if refused is None else frozenset(n for n in gm.graph.nodes if n.name in refused)
+    rw = Rewriter(gm, program, layout, roots, res, uly, off)
     for node in list(gm.graph.nodes):
         if node.op == "call_function":
             rw.visit(node)
         elif node.op == "output":
             outputs(rw, node, keep_outputs)
+    res.token_local = sorted({n.name for n, s in rw.state.items() if rules.is_local(s)})
+    return gm, res, rw.broken
+
+
+def context_parallel(program: Program, cp: int, rank: int, group: str, keep_outputs: set[int] | None = None,
+                     attention: str = "allgather") -> tuple[Program, CpResult]:
+    """``program`` rewritten for cp rank ``rank`` of ``cp`` in group ``group``. ``keep_outputs``: the user
+    output positions returned whole (the loss); other sharded outputs stay this rank's rows (as TP leaves the
+    logits vocabulary-sharded). ``attention``: ``Plan.cp_attention`` (``"ulysses"`` and ``"auto"``:
+    :mod:`fxpar.passes.cp_ulysses`)."""
+    check(program, cp)
+    refused: frozenset = frozenset()
+    try:
+        while True:  # again while a token-local value met a reader with no rule for it, its sources refused
+            gm, res, broken = _rewrite(program, cp, rank, group, keep_outputs, attention, refused)
+            if not broken:
+                break
+            if not {n.name for n in broken} - refused:
+                raise AssertionError(f"context_parallel: token-local ops {sorted(refused)} broken again")
+            refused |= {n.name for n in broken}
+    except PlanError:  # a fallback the token-local rules moved onto a buffer written in place: without them
+        gm, res, _ = _rewrite(program, cp, rank, group, keep_outputs, attention, None)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     local = program.with_gm(gm)

@@ -3,7 +3,8 @@ gathered or summed (:class:`fxpar.passes.cp_rewriter.Rewriter` holds the states 
 new op's rule is one function here and one entry of :func:`rule_for`.
 
 Each rule is ``rule(rw, node, op)``: it reads its inputs' states in ``rw.state``, rewrites ``node``'s inputs
-or arguments where needed, and sets ``rw.state[node]``.
+or arguments where needed, and sets ``rw.state[node]``. The rules of a token-local MoE's ops (row numbers, an
+order only this rank knows) are :mod:`fxpar.passes.cp_tokens`'s, tried first.
 """
 
 from __future__ import annotations
@@ -24,7 +25,17 @@ from fxpar.ir.op_classes import (
     is_pointwise,
 )
 from fxpar.ir.ops import collective_kind
-from fxpar.passes.cp_rules import PARTIAL, SDPA, Sh, seq_dim_after, shape_of, tensor_args, writes_first
+from fxpar.passes.cp_rules import (
+    PARTIAL,
+    SDPA,
+    Sh,
+    is_local,
+    seq_dim_after,
+    shape_of,
+    srcs,
+    tensor_args,
+    writes_first,
+)
 
 aten = torch.ops.aten
 fxpar_ops = torch.ops.fxpar
@@ -52,7 +63,7 @@ def rule_for(node: torch.fx.Node, op):
         return reduction
     if op in ELEMENTWISE_LIKE or is_pointwise(node) or out_of_place(op) in ELEMENTWISE_LIKE:
         return pointwise
-    if op is aten.cat:
+    if op in (aten.cat, aten.concat):
         return concat
     if op is aten.stack:
         return stack
@@ -183,14 +194,7 @@ def reduction(rw, node, op) -> None:
     x = node.args[0]
     s = rw.input_state(node, x)
     nd = len(shape_of(x))
-    if op in LAST_DIM_NORMS:
-        dims, keep = list(range(nd - len(node.args[1]), nd)), True
-    else:
-        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", list(range(nd)))
-        dims = [dims] if isinstance(dims, int) else list(dims or range(nd))
-        keep = op in (aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.cumsum) or \
-            (len(node.args) > 2 and node.args[2] is True) or node.kwargs.get("keepdim", False)
-    dims = [d % nd for d in dims]
+    dims, keep = reduced(node, op, nd)
     if isinstance(s, Sh) and s.dim in dims and op in (aten.sum, aten.mean):
         return partial_sum(rw, node, op)
     if not isinstance(s, Sh) or s.dim in dims:
@@ -198,6 +202,17 @@ def reduction(rw, node, op) -> None:
     out = Sh(s.dim if keep else s.dim - sum(d < s.dim for d in dims), s.outer)
     vals = node.meta.get(meta.VAL)
     rw.state[node] = tuple(out for _ in vals) if isinstance(vals, (tuple, list)) else out
+
+def reduced(node, op, nd: int) -> tuple[list[int], bool]:
+    """The dims a reduction, norm or scan reads across (non-negative), and whether it keeps them."""
+    if op in LAST_DIM_NORMS:
+        dims, keep = list(range(nd - len(node.args[1]), nd)), True
+    else:
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", list(range(nd)))
+        dims = [dims] if isinstance(dims, int) else list(dims or range(nd))
+        keep = op in (aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.cumsum) or \
+            (len(node.args) > 2 and node.args[2] is True) or node.kwargs.get("keepdim", False)
+    return [d % nd for d in dims], keep
 
 def partial_sum(rw, node, op) -> None:
     """A sum over the sequence is this rank's part of it; a mean, this rank's mean over cp."""
@@ -351,6 +366,9 @@ def outputs(rw, node, keep: set[int] | None) -> None:
         if not isinstance(x, torch.fx.Node) or (keep is not None and i not in keep and x not in rw.state):
             continue
         s = rw.state.get(x)
+        if is_local(s):  # rows in an order only this rank knows: the pass runs again without their sources
+            rw.broken |= srcs(s)
+            continue
         with rw.g.inserting_before(node):
             if s == PARTIAL:
                 outs[i] = rw.call(fxpar_ops.all_reduce.default, x, rw.l.group, "sum")

@@ -15,14 +15,16 @@ import torch.fx
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
 from fxpar.ir.op_classes import NEW_TENSOR_FACTORIES
-from fxpar.passes import cp_ops, cp_ulysses
+from fxpar.passes import cp_ops, cp_tokens, cp_ulysses
 from fxpar.passes.cp_rules import (
     PARTIAL,
     Layout,
     Sh,
+    is_local,
     lost_write,
     packet,
     shape_of,
+    srcs,
     tensor_args,
     user_input_of,
 )
@@ -34,12 +36,15 @@ fxpar_ops = torch.ops.fxpar
 class Rewriter:
     """Visits the graph's nodes in order, keeps each value's state, rewrites what the state asks for."""
 
-    def __init__(self, gm, program, layout: Layout, roots, result, uly: cp_ulysses.Plan | None = None):
+    def __init__(self, gm, program, layout: Layout, roots, result, uly: cp_ulysses.Plan | None = None,
+                 refused: frozenset | None = frozenset()):
         self.gm, self.g, self.program, self.l, self.roots, self.res = gm, gm.graph, program, layout, roots, result
         self.uly = uly or cp_ulysses.Plan()  # the attentions that trade sequence for heads (cp_attention="ulysses")
         self.state: dict[torch.fx.Node, object] = {}
         self.cuts: dict[tuple, torch.fx.Node] = {}
         self.fed: set[torch.fx.Node] = set()
+        self.refused = refused  # ops a token-local rule leaves to the fallback (a reader it had no rule for; None: all)
+        self.broken: set[torch.fx.Node] = set()  # this run's such ops: the pass runs again with them refused
 
     # ---- building blocks ----------------------------------------------------------------------------
     def call(self, target, *args, **kwargs) -> torch.fx.Node:
@@ -93,6 +98,9 @@ class Rewriter:
         s = self.state.get(x)
         if s is None:
             return
+        if is_local(s):  # its rows are in an order only this rank knows: no gather can make it whole
+            self.broken |= srcs(s)
+            return
         if lost_write(node, x):
             raise PlanError(f"Plan(cp=...): {node.name} ({node.target}) needs the whole of {x.name}, which is "
                             f"split over the sequence, and is written in place (or a view of it is) and read "
@@ -139,6 +147,8 @@ class Rewriter:
             return
         if node in self.uly.attention:
             return cp_ulysses.attention(self, node)
+        if cp_tokens.rule(self, node, op):
+            return
         rule = cp_ops.rule_for(node, op)
         if rule is None:
             return self.fallback(node)

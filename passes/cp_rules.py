@@ -4,13 +4,15 @@ rules (:mod:`fxpar.passes.cp_ops`) dispatch on, and the analysis that places the
 
 A value's state is None (whole: the same on every cp rank), a :class:`Sh` (this rank's chunks of the
 sequence along ``dim``; ``outer`` counts the blocks merged in front of the sequence in that dim, as a
-``[batch * seq]`` flattening has ``batch``) or :data:`PARTIAL` (this rank's part of a sum over the sequence).
+``[batch * seq]`` flattening has ``batch``) or :data:`PARTIAL` (this rank's part of a sum over the sequence);
+a token-local MoE's values have the states :class:`Tk`, :class:`Pos` and :class:`Aux`
+(:mod:`fxpar.passes.cp_tokens` says what they mean and which rules read them).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -112,6 +114,85 @@ class Sh:
 
     dim: int
     outer: int = 1
+
+
+# ---- token-local states (the rules: fxpar.passes.cp_tokens) ----------------------------------------------
+@dataclass(frozen=True)
+class Canon:
+    """This rank's rows in chunk order, ``inner`` consecutive rows per token, ``outer`` blocks of the sequence."""
+
+    outer: int
+    inner: int
+
+
+@dataclass(frozen=True)
+class Perm:
+    """The rows of ``base`` in the order the sort ``key`` read from this rank's data."""
+
+    key: torch.fx.Node
+    base: Canon
+
+
+@dataclass(frozen=True)
+class Disp:
+    """The rows ep's dispatch of ``Perm(key)`` rows brought to this rank's experts."""
+
+    key: torch.fx.Node
+
+
+@dataclass(frozen=True)
+class Tk:
+    """Data whose dim ``dim`` holds rows of layout ``lay`` (never ``Canon(o, 1)``: that is ``Sh(dim, o)``)."""
+
+    dim: int
+    lay: object
+    src: frozenset = field(default=frozenset(), compare=False)
+
+
+@dataclass(frozen=True)
+class Pos:
+    """1-D row numbers: row i in layout ``rows``, its entry a row of layout ``to``; ``perm``: each row of ``to``
+    exactly once (a sort's indices, its inverse)."""
+
+    rows: object
+    to: object
+    perm: bool
+    src: frozenset = field(default=frozenset(), compare=False)
+
+
+@dataclass(frozen=True)
+class Aux:
+    """Of this rank's rows of ``lay``, with no row dim: ``kind`` "counts" / "offsets" per expert (a histogram of
+    the sorted ids, its cumsum), "ep" (ep's counts of every ep rank's rows)."""
+
+    lay: object
+    kind: str
+    src: frozenset = field(default=frozenset(), compare=False)
+
+
+def is_local(s) -> bool:
+    return isinstance(s, (Tk, Pos, Aux)) or isinstance(s, tuple) and any(is_local(x) for x in s)
+
+
+def srcs(s) -> frozenset:
+    if isinstance(s, tuple):
+        return frozenset().union(*(srcs(x) for x in s))
+    return s.src if isinstance(s, (Tk, Pos, Aux)) else frozenset()
+
+
+def row_lay(s):
+    """(row dim, row layout) of a data state (Sh or Tk), else None."""
+    if isinstance(s, Sh):
+        return s.dim, Canon(s.outer, 1)
+    return (s.dim, s.lay) if isinstance(s, Tk) else None
+
+
+def data(dim: int, lay, src: frozenset):
+    return Sh(dim, lay.outer) if isinstance(lay, Canon) and lay.inner == 1 else Tk(dim, lay, src)
+
+
+def arg(node, i: int, name: str, default):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
 def seq_dim_after(src: tuple, d: int, outer: int, dst: tuple, seq: int) -> Sh | None:

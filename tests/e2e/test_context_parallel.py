@@ -2,7 +2,8 @@
 every parameter after an SGD step of learning rate 1 (so every gradient entry) equal the single-process run's,
 on a grouped-query Llama with a packed batch of several documents per row (position ids restarting) and
 ignored labels, alone and with dp, ZeRO, HSDP, tp and pp, on a Gemma-2 (sliding-window layers, soft-capped
-eager attention), a Mistral (a sliding window on every layer) and a Mixtral with expert parallelism; evaluation
+eager attention), a Mistral (a sliding window on every layer), a Mixtral and a Qwen2-MoE (router and experts on
+each rank's tokens) and a Mixtral with expert parallelism; evaluation
 gives the unsplit loss, generation is refused; each layer's key/value bytes equal the theory."""
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def cp_training(name: str, plan: str, batch: int, seq: int, packed: bool, extras
             "norm": abs(compiled.last_grad_norm - norm) / norm, "eval": evaluated, "logits": logits,
             "kv": tap.bytes, "kv_theory": kv_theory(name, batch // p.dp, seq), "refused": refused,
             "reported_a2a": sent, "a2a_theory": ulysses_theory(name, batch // p.dp, seq, p.cp, p.tp, overrides),
-            "kept": "kept the all-gather" in text,
+            "kept": "kept the all-gather" in text, "gathered": list(compiled.build.shared["cp"].gathered),
+            "routed": {k: sum(v["tokens_per_expert"]) for k, v in (compiled.ep.stats or {}).items()},
             "groups": (compiled.spec.shard_ranks(), compiled.spec.replicate_ranks()),
             "replicated": compiled.engine.comm["all_reduce"] if compiled.engine is not None else 0}
 
@@ -165,6 +167,11 @@ def test_context_parallel_with_hsdp_or_ep_trains_as_one_process(pool4, pool8, na
         assert r["loss"] <= TOL and r["weights"] <= TOL and r["norm"] <= TOL, r
         assert r["moved"] > 1e-3, r
     if "dp_replicate" not in plan:
+        # the router and the experts run on this cp rank's tokens (nothing gathered by the fallback): an ep
+        # group (one cp rank, its ep ranks' 2 sequences each) dispatches 4 x 16 / cp tokens x top-2, not 4 x 16
+        for r in results:
+            assert r["gathered"] == [] and len(r["routed"]) == 2, r
+            assert all(n == 4 * 16 // 2 * 2 for n in r["routed"].values()), r["routed"]
         return
     full = 4 * sum(p.numel() for p in zoo.build(name).parameters())
     for r in results:  # the replicas exchange one shard of four
@@ -172,6 +179,16 @@ def test_context_parallel_with_hsdp_or_ep_trains_as_one_process(pool4, pool8, na
     # ranks are (dp rank x 2 + cp rank): dp ranks 0, 1 (both cp ranks) shard together, dp rank d copies d + 2
     assert {tuple(r["groups"][0]) for r in results} == {(0, 1, 2, 3), (4, 5, 6, 7)}
     assert {tuple(r["groups"][1]) for r in results} == {(0, 4), (1, 5), (2, 6), (3, 7)}
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_under_cp_runs_on_this_ranks_tokens(pool2, name):
+    """The zoo's Mixtral and Qwen2-MoE (top-2 of 4 experts; Qwen2-MoE with a gated shared expert) at cp=2 on a
+    packed batch: the router and the experts run on each rank's tokens, nothing gathered by the fallback, and
+    the loss, the gradient norm and every parameter after a step equal one process."""
+    for r in pool2.run(cp_training, name, "cp=2", 4, 16, True, False, timeout=300):
+        assert r["loss"] <= TOL and r["weights"] <= TOL and r["norm"] <= TOL, r
+        assert r["moved"] > 1e-3 and r["gathered"] == [], r
 
 
 @pytest.mark.parametrize("name,plan,overrides", [

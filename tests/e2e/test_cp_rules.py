@@ -112,6 +112,28 @@ class Filled(nn.Module):
         return {"loss": loss}
 
 
+class Sorted(nn.Module):
+    """The token rows sorted by a per-token score, picked in that order (``h[order]``), scaled, and put back by
+    the inverse permutation (``inv[order] = arange(n)``, ``y[inv]``): token-local as a MoE's dispatch is.
+    ``escape``: a cumsum across the sorted rows, which is not (the pass must fall back to the whole sequence)."""
+
+    def __init__(self, escape=False):
+        super().__init__()
+        self.escape = escape
+        self.emb, self.scale, self.head = nn.Embedding(V, D), nn.Parameter(torch.randn(D)), nn.Linear(D, V)
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        h = x.reshape(-1, D)
+        order = h.sum(-1).sort()[1]
+        picked = h[order] * self.scale
+        y = picked.cumsum(0) / 4 if self.escape else picked
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.shape[0])
+        x = x + y[inv].view(x.shape)
+        return {"loss": F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())}
+
+
 def _batch(ids: str) -> dict:
     rows = B * 2 if ids == "codebooks" else B
     g = torch.Generator().manual_seed(0)
@@ -130,7 +152,8 @@ def cp_against_one_process(case: dict) -> dict:
 
     groups.register_group(GROUP, dist.group.WORLD)
     torch.manual_seed(0)
-    model = Tiny(**case)
+    case = dict(case)
+    model = Sorted(case["escape"]) if "escape" in case else Tiny(**case)
     kw = _batch(case.get("ids", "plain"))
     program = fxpar.trace(model, example_kwargs=kw)
     local, res = context_parallel(program, 2, dist.get_rank(), GROUP, keep_outputs={0})
@@ -146,7 +169,7 @@ def cp_against_one_process(case: dict) -> dict:
     ref.backward()
     grad = max(float((got[fqn] - (0 if p.grad is None else p.grad)).abs().max()) for fqn, p in model.named_parameters())
     return {"loss": abs(float(loss - ref)), "grad": grad, "gathered": res.gathered, "attention": res.attention,
-            "kv_gathers": res.kv_gathers}
+            "kv_gathers": res.kv_gathers, "token_local": res.token_local}
 
 
 @pytest.mark.parametrize("case", [
@@ -159,6 +182,44 @@ def test_rule_equals_one_process(pool2, case):
         assert r["gathered"] == [], r  # every op had a rule: nothing gathered by a fallback
         assert len(r["kv_gathers"]) == 2, r  # the keys and the values, not the queries
         assert len(r["attention"]) == (case.get("attention") != "eager"), r
+
+
+@pytest.mark.parametrize("escape", [False, True])
+def test_sorted_rows_stay_local_unless_they_escape(pool2, escape):
+    """Rows sorted along the sequence, picked and put back by the sort's inverse run on this rank's rows with
+    nothing gathered; a cumsum across the sorted rows (an order only this rank knows) makes the pass run again
+    with the sort falling back: the whole sequence sorted, as one process sorts it. Both equal one process."""
+    for r in pool2.run(cp_against_one_process, {"escape": escape}, timeout=120):
+        assert r["loss"] <= TOL and r["grad"] <= TOL, r
+        if escape:
+            assert "sort" in r["gathered"] and r["token_local"] == [], r
+        else:
+            assert r["gathered"] == [] and {"sort", "index", "index_put_"} <= set(r["token_local"]), r
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_router_and_experts_run_on_this_ranks_tokens(name):
+    """Rank 0 of cp=2 on the zoo's Mixtral and Qwen2-MoE (top-2 of 4 experts: the (token, k) pairs sorted by
+    expert, grouped matmuls with offsets from a histc of the sorted ids, the rows put back by the sort's
+    inverse; Qwen2-MoE's gated shared expert beside): no op gathered by the fallback, and each grouped matmul
+    reads this rank's half of the routed rows."""
+    from fxpar import zoo
+    from fxpar.ir.op_classes import is_grouped_mm
+    from fxpar.passes.context_parallel import context_parallel
+    from fxpar.runtime import groups
+
+    kw = zoo.example_inputs(name, zoo.tiny_config(name), batch=2, seq=16)
+    program = fxpar.trace(zoo.build(name, seed=0), example_kwargs=kw)
+    groups.register_group(GROUP, size=2)
+    try:
+        local, res = context_parallel(program, 2, 0, GROUP, keep_outputs={0})
+    finally:
+        groups.unregister_group(GROUP)
+    assert res.gathered == [], res.gathered
+    whole = [n.args[0].meta["val"].shape[0] for n in program.gm.graph.nodes if is_grouped_mm(n)]
+    mine = [n.args[0].meta["val"].shape[0] for n in local.gm.graph.nodes if is_grouped_mm(n)]
+    assert len(whole) == 4 and whole == [2 * 16 * 2] * 4 and mine == [w // 2 for w in whole], (whole, mine)
+    assert {"sort", "histc", "grouped_mm_fallback", "index_put_"} <= set(res.token_local), res.token_local
 
 
 def test_written_through_buffer_is_refused():
