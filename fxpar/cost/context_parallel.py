@@ -7,7 +7,9 @@ pass and its runtime op (``fxpar::all_gather_rs_bwd``):
 
 * each sequence is cut into ``2 cp`` chunks and each rank holds two (``S / cp`` tokens): every op runs on
   ``1 / cp`` of the rows, so its FLOPs, the activation bytes it moves and writes, what it keeps for backward
-  and the bytes a pipeline cut sends are ``1 / cp`` of the whole sequence's, its weights the same. Attention
+  and the bytes a pipeline cut sends are ``1 / cp`` of the whole sequence's, its weights the same. A MoE
+  layer's router and experts too (``passes/cp_tokens.py`` keeps a token-local MoE on the rank's tokens), and
+  with ep its all-to-alls send ``1 / cp`` of the rows (:func:`fxpar.cost.experts.ep_comm`). Attention
   takes this rank's ``S / cp`` query rows against all ``S`` keys: ``1 / cp`` of its FLOPs too, but it reads
   the whole sequence's keys and values;
 * each attention's keys and values are all-gathered over cp before any grouped-query expansion (KV heads
@@ -92,9 +94,11 @@ def cp_part(part, cp: int, mode: str = "allgather"):
     for p, (kept, trans) in part.act.items():
         k, t = att.act.get(p, (0, 0)) if att else (0, 0)
         act[p] = ((kept - k) // cp + k, (trans - t) // cp + t)
+    ex = part.experts  # a MoE layer's rows are this rank's tokens: its all-to-alls move 1 / cp of them
+    ex = ex and replace(ex, dispatch=ex.dispatch // cp, combine=ex.combine // cp, saved=ex.saved // cp)
     return replace(part, nodes=nodes, act=act, out_bytes=part.out_bytes // cp, grad_bytes=part.grad_bytes // cp,
                    kept_out=part.kept_out // cp, units=[(r, x // cp, g // cp, m) for r, x, g, m in part.units],
-                   _times={})
+                   experts=ex, _times={})
 
 
 def variant_cp(cache: dict, key: tuple, part, cp: int, mode: str = "allgather"):

@@ -51,3 +51,17 @@ def test_ep_ops_beyond_the_raw_collectives_are_priced_per_call(moe_part):
     # forward: counts, dispatch, combine per MoE layer; backward: combine's gradient (a dispatch) and dispatch's
     assert f1 - f0 == pytest.approx(ex.layers * (counts + dispatch + combine), rel=1e-9)
     assert b1 - b0 == pytest.approx(ex.layers * (dispatch + combine), rel=1e-9)
+
+
+def test_cp_divides_the_rows_ep_sends(moe_part):
+    """Under cp the MoE runs on the rank's S / cp tokens (passes/cp_tokens.py): the all-to-alls send 1 / cp of
+    the rows, the per-expert counts' all-gather stays."""
+    from fxpar.cost.context_parallel import cp_part
+
+    p, ep, batch = device_profile("h100-80gb")[0], 2, 4
+    half = cp_part(moe_part, 2)
+    ex, hx = moe_part.experts, half.experts
+    assert (hx.dispatch, hx.combine) == (ex.dispatch // 2, ex.combine // 2)
+    counts = ex.layers * COUNT_BYTES * ex.n_experts * (ep - 1)
+    sent, sent_cp = (ep_comm(p, x, ep, batch, False, False)[3] for x in (moe_part, half))
+    assert sent_cp - counts == pytest.approx((sent - counts) / 2)
