@@ -24,6 +24,7 @@ from fxpar.passes.collective_matmul import collective_matmul
 from fxpar.passes.context_parallel import check as context_parallel_check
 from fxpar.passes.context_parallel import context_parallel
 from fxpar.passes.drop_dtype_asserts import drop_dtype_asserts
+from fxpar.passes.ep_loops import loop_regions
 from fxpar.passes.expert_parallel import expert_parallel, expert_regions
 from fxpar.passes.fused_loss import fuse_loss
 from fxpar.passes.lower_collectives import lower_collectives
@@ -74,7 +75,12 @@ def _expert_parallel_check(program: Program, ctx: PassContext) -> None:
     if ctx.load is not None:
         raise PlanError(f"Plan(ep={ctx.mesh.ep}) does not take weights= yet (expert slices are cut from a "
                         "materialised model): build the model on a device (docs/expert_parallel.md)")
-    expert_regions(program, ctx.mesh.ep)
+    if not expert_regions(program, ctx.mesh.ep):  # experts run as a loop over the experts
+        loop_regions(program, ctx.mesh.ep)
+        if ctx.mesh.cp > 1:
+            raise PlanError(f"Plan(ep={ctx.mesh.ep}, cp={ctx.mesh.cp}): the experts run as a loop over the "
+                            "experts, which expert parallelism splits without context parallelism only "
+                            "(docs/expert_parallel.md)")
 
 
 def _context_parallel(program: Program, ctx: PassContext) -> Program:

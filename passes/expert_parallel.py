@@ -38,6 +38,7 @@ from fxpar.ir.errors import PlanError
 from fxpar.ir.expert_ops import EpResult
 from fxpar.ir.op_classes import WEIGHT_VIEWS, expert_matmuls, packet
 from fxpar.ir.program import Program
+from fxpar.passes.ep_loops import loop_chains, loop_regions, rewrite
 from fxpar.passes.local import bind_local
 
 
@@ -84,34 +85,6 @@ def descendants(start: list[torch.fx.Node]) -> set[torch.fx.Node]:
     return seen
 
 
-def expert_loops(program: Program) -> list[tuple[str, int]]:
-    """(module, blocks) of each chain of ``index_add`` into one accumulator with two or more links that read
-    parameters: an MoE layer run as a loop over its experts (``fxpar.frontend.expert_loops``)."""
-    adds = {n for n in program.graph.nodes if packet(n) in (torch.ops.aten.index_add, torch.ops.aten.index_add_)}
-    params = {b.placeholder for b in program.inputs if b.kind == "parameter"}
-    out = []
-    for head in [n for n in program.graph.nodes if n in adds and n.args[0] not in adds]:
-        chain, node = [head], head
-        while (nxt := next((u for u in node.users if u in adds and u.args[0] is node), None)) is not None:
-            chain.append(nxt)
-            node = nxt
-        reads = [a for link in chain for a in _ancestors(link.args[3]) if a.name in params]
-        if len(chain) > 1 and reads:
-            out.append((str(head.meta.get(meta.MODULE) or program.info.model_class or head.name), len(chain)))
-    return out
-
-
-def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return seen
-
-
 def expert_regions(program: Program, ep: int) -> list[Region]:
     """Every expert region of ``program`` in graph order, checked for ``ep`` ranks (PlanError otherwise)."""
     bound = {b.placeholder: b.target for b in program.inputs if b.kind == "parameter"}
@@ -123,17 +96,11 @@ def expert_regions(program: Program, ep: int) -> list[Region]:
             by_offs.setdefault(n.args[2], []).append(n)
     where = f"{program.info.model_class or 'the model'}"
     if not by_offs:
-        loops = expert_loops(program)
-        if loops:
-            layer, n = loops[0]
-            raise PlanError(
-                f"Plan(ep={ep}): the experts of {where} run as a loop over the experts ({len(loops)} MoE layers, "
-                f"e.g. {layer}: {n} expert blocks, each gathering its tokens with index and adding its output "
-                "back with index_add_, the eager dispatch), which the ep pass does not split: it splits experts "
-                "run as grouped matmuls with router offsets (fxpar/passes/expert_parallel.py); use dp, or tp "
-                "(which cuts every expert), instead of ep")
+        if loop_chains(program):  # experts run as a loop over the experts: fxpar.passes.ep_loops splits those
+            return []
         raise PlanError(f"Plan(ep={ep}): {where} has no expert layers (3-D expert parameters used by grouped "
-                        "matmuls with router offsets, fxpar/passes/expert_parallel.py); use dp instead of ep")
+                        "matmuls with router offsets, or a loop over the experts adding each one's output with "
+                        "index_add_; fxpar/passes/expert_parallel.py); use dp instead of ep")
     regions = []
     mm_set = {m for mms in by_offs.values() for m in mms}
     chains = {n for mms in by_offs.values() for m in mms for n in _chain(m.args[1])}
@@ -236,6 +203,10 @@ def expert_parallel(program: Program, ep: int, rank: int, group: str,
         exit_.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
         for fqn in r.params:
             result.experts[fqn] = (0, r.n_experts)
+        result.layers.append(r.layer)
+    for r in loop_regions(program, ep) if not regions else []:  # experts run as a loop over the experts
+        for fqn, rows in rewrite(graph, r, names, ep, rank, group, lambda *a: _insert(graph, *a)).items():
+            result.experts[fqn] = (0, rows)
         result.layers.append(r.layer)
     graph.lint()
     gm = torch.fx.GraphModule(program.gm, graph)

@@ -313,11 +313,12 @@ def _reduce_scatter(c: Call) -> torch.Tensor:
     """Sum over the group, keep this rank's slice along ``dim``, in the wire format (``comm_dtype_arg``)."""
     op, x, group, comm_dtype = c.rec.name, c.x, c.group, c.at(c.rec.comm_dtype_arg)
     wire.check_comm_dtype(op, group, comm_dtype, c.rec.comm_dtypes)
-    d = check_dim(op, group, x, c.args["dim"])
+    d = check_dim(op, group, x, c.args.get("dim", 0))
     pg, n, rank = _membership(op, group)
     k = shard_len(op, group, x, d, n)
     if n == 1:
         return _copy(x)
+    _count(c, x.numel() // n * x.element_size() * (n - 1))  # a ring's share (gloo runs it as an all-reduce)
     if comm_dtype is not None and x.numel():
         return _reduce_scatter_int8(x, group, d, k, n, rank, op)
     _cross_check(op, group, x)

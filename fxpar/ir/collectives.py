@@ -238,6 +238,19 @@ COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
                route=ep_layout.combine_route, counter="combine", counted=False,
                doc="``y`` ``[ep * N, H]`` in ``ep_dispatch``'s order -> ``[N, H]`` back on the ranks and rows "
                    "the tokens came from."),
+    # ... and for experts run as a loop over the experts (fxpar.passes.ep_loops): every rank's token inputs
+    # gathered, the per-expert sums reduce-scattered back
+    Collective("ep_gather", ("all_gather",), ("reduce_scatter",), "gather", "opaque",
+               schema="Tensor x, str group, str layer, bool backward=False", kernel="all_gather",
+               grad="ep_scatter", grad_args=(("backward", True),), counter="gather", counted=False,
+               doc="``x`` ``[T, ...]`` of every ep rank concatenated along dim 0 (``[ep * T, ...]``, rank "
+                   "order): a loop-form MoE layer's token inputs. Backward: a reduce-scatter (each rank's "
+                   "rows summed over the ranks' experts)."),
+    Collective("ep_scatter", ("reduce_scatter",), ("all_gather",), "scatter", "opaque",
+               schema="Tensor x, str group, str layer, bool backward=False", kernel="reduce_scatter",
+               grad="ep_gather", grad_args=(("backward", True),), counter="scatter", counted=False,
+               doc="``x`` ``[ep * T, ...]`` (this rank's experts' sums over every rank's tokens) summed over "
+                   "the ep ranks, this rank's ``T`` rows kept. Backward: an all-gather."),
 )}
 
 

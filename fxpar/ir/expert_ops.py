@@ -41,7 +41,7 @@ import torch.fx
 
 from fxpar.ir.ops import OPS
 
-EP_OPS = ("ep_counts", "ep_dispatch", "ep_combine")
+EP_OPS = ("ep_counts", "ep_dispatch", "ep_combine", "ep_gather", "ep_scatter")
 
 
 @dataclass
@@ -65,6 +65,8 @@ class EpResult:
 ep_counts = OPS["ep_counts"]  # records of fxpar.ir.collectives
 ep_dispatch = OPS["ep_dispatch"]
 ep_combine = OPS["ep_combine"]
+ep_gather = OPS["ep_gather"]  # experts run as a loop over the experts (fxpar.passes.ep_loops)
+ep_scatter = OPS["ep_scatter"]
 
 
 def ep_kind(node: torch.fx.Node) -> str | None:

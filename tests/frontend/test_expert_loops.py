@@ -71,15 +71,20 @@ def test_expert_hit_loop_traces_and_follows_the_routing():
             torch.testing.assert_close(got_grads[name], g, rtol=0, atol=1e-6, msg=name)
 
 
-def test_expert_parallel_names_a_loop_over_the_experts():
-    """The ep pass splits grouped-matmul experts only: a loop-form MoE is a PlanError saying so (before any
-    communication: compile runs this check on its first trace), not "no expert layers"."""
+def test_expert_parallel_finds_the_loop_over_the_experts():
+    """The ep pass splits a loop-form MoE (fxpar/passes/ep_loops.py): one region, its 4 experts' blocks on the
+    ep rank owning their rows of the stacked parameters, the identity expert's on rank 0; ep=3 is refused
+    (before any communication: compile runs this check on its first trace)."""
     import pytest
 
     from fxpar.ir.errors import PlanError
+    from fxpar.passes.ep_loops import loop_regions
     from fxpar.passes.expert_parallel import expert_regions
 
     program = fxpar.trace(LoopMoE(), (torch.randn(2, 5, 8),))
-    with pytest.raises(PlanError, match=r"Plan\(ep=2\): the experts of LoopMoE run as a loop over the experts \(1 MoE "
-                                        r"layers, e.g. LoopMoE: 5 expert blocks.*use dp, or tp"):
-        expert_regions(program, 2)
+    assert expert_regions(program, 2) == []  # no grouped matmuls
+    (region,) = loop_regions(program, 2)
+    assert region.expert == [0, 1, 2, 3, None] and region.owner == [0, 0, 1, 1, 0]
+    assert region.cut == {"up": 4, "down": 4} and region.n_experts == 4
+    with pytest.raises(PlanError, match=r"Plan\(ep=3\): LoopMoE has 4 experts, which do not split over 3 ranks"):
+        loop_regions(program, 3)
