@@ -18,6 +18,10 @@ nothing. It follows ``passes/expert_parallel.py`` and ``runtime/expert_parallel.
   region without ep (kept under recompute none and selective; recomputed, so transient, under layer),
   and cost ``ep`` times their rows: a row-wise op (the activation, the gate's product) computes and moves
   every row, a grouped matmul computes the routed rows only but zero-fills its ``ep``-times output;
+* experts run as a loop over the experts (``passes/ep_loops.py``, ``Experts.kind == "loop"``) have no
+  all-to-all and no buffer: each layer's token inputs are all-gathered and its output reduce-scattered
+  (:func:`_loop_comm`); each rank runs its ``E / ep`` experts on ``ep`` times the tokens, so the region's
+  FLOPs and saved tensors stay, and only the experts' cut parameters drop to ``1 / ep``;
 * fxpar's EP ops spend beyond their raw collectives what ``fxpar calibrate`` measured on their kernels
   (``profile.collective_call["ep_counts" | "ep_dispatch" | "ep_combine"]``: the layout read off the counts,
   the reorder into and out of the static buffer, the autograd record), per call and per byte of rows.
@@ -48,6 +52,11 @@ class Experts:
     saved: int  # bytes the regions' ops save for backward (summed)
     layers: int = 1  # MoE layers in the part (each its all-to-alls and counts)
     mms: tuple[int, ...] = ()  # those of ``rows`` that are the grouped matmuls (the others are row-wise)
+    # "loop": experts run as a loop over the experts (passes/ep_loops.py): ``dispatch`` is then the token inputs
+    # all-gathered, ``combine`` the output reduce-scattered, ``back`` the gathered floats whose gradients
+    # reduce-scatter back; no buffer, no counts
+    kind: str = "a2a"
+    back: int = 0
 
 
 def ep_part(part, ex: Experts, ep: int):
@@ -84,6 +93,8 @@ def ep_comm(profile, part, ep: int, batch: int, inter: bool, again: bool,
     if ep == 1 or ex is None:
         return 0.0, 0.0, 0, 0.0
     k = ex.layers
+    if ex.kind == "loop":
+        return _loop_comm(profile, ex, ep, batch, inter, again)
     a2a = profile.collective_time("all_to_all", ex.dispatch * batch / k, ep, inter) + \
         profile.collective_time("all_to_all", ex.combine * batch / k, ep, inter)
     counts = profile.collective_time("all_gather", COUNT_BYTES * ex.n_experts * ep, ep, inter)
@@ -96,6 +107,22 @@ def ep_comm(profile, part, ep: int, batch: int, inter: bool, again: bool,
     sent = 2 * off_rank * (ex.dispatch + ex.combine) * batch + k * COUNT_BYTES * ex.n_experts * (ep - 1)
     fwd = k * (a2a + counts)
     return fwd, k * a2a + (fwd if again else 0.0), ex.params // ep, sent
+
+
+def _loop_comm(profile, ex: Experts, ep: int, batch: int, inter: bool, again: bool) -> tuple:
+    """:func:`ep_comm` of loop-form layers: forward, each layer's token inputs all-gathered (``ep x`` this
+    rank's bytes in all) and its ``[ep * T, H]`` output reduce-scattered; backward, the output's gradient
+    all-gathered and the gathered floats' gradients reduce-scattered. Each sends ``(ep - 1) / ep`` of the full
+    tensor (:data:`fxpar.cost.comm.RING`), ``ep - 1`` times this rank's rows."""
+    k = ex.layers
+    per = batch / k  # one layer's bytes of this microbatch are ``per`` times the part's per-sequence sums
+
+    def t(kind: str, nbytes: float) -> float:
+        return profile.collective_time(kind, ep * nbytes * per, ep, inter)
+    fwd = k * (t("all_gather", ex.dispatch) + t("reduce_scatter", ex.combine))
+    bwd = k * (t("all_gather", ex.combine) + t("reduce_scatter", ex.back))
+    sent = (ep - 1) * (ex.dispatch + 2 * ex.combine + ex.back) * batch
+    return fwd, bwd + (fwd if again else 0.0), ex.params // ep, sent
 
 
 def check_ep(costs, ep: int) -> None:

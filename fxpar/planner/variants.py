@@ -19,6 +19,7 @@ from fxpar.cost.saved import SavedTensors
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
 from fxpar.ir.numeric import nbytes
+from fxpar.passes.ep_loops import loop_regions
 from fxpar.passes.expert_parallel import descendants, expert_regions
 from fxpar.passes.fused_loss import fuse_loss
 from fxpar.passes.pipeline_split import loss_position
@@ -33,8 +34,11 @@ def read_experts(program, assign, node_rows) -> tuple[dict[str, Experts], str | 
     pass refuses). ``node_rows(node)``: the rows a node adds to its part's ``nodes``."""
     try:
         regions = expert_regions(program, 1)
+        loops = loop_regions(program, 1) if not regions else []
     except PlanError as e:
         return {}, str(e)
+    if loops:
+        return loop_experts(program, assign, loops)
     first: dict = {}  # node -> its first row in its part
     count: dict[str, int] = {}
     for node in top_nodes(program):
@@ -63,6 +67,28 @@ def read_experts(program, assign, node_rows) -> tuple[dict[str, Experts], str | 
         got["layers"] += 1
     return {part: Experts(g["n"], g["params"], tuple(sorted(g["rows"])), g["dispatch"], g["combine"], g["saved"],
                           g["layers"], tuple(sorted(g["mms"]))) for part, g in found.items()}, None
+
+
+def loop_experts(program, assign, loops) -> tuple[dict[str, Experts], str | None]:
+    """:func:`read_experts` of experts run as a loop over the experts (``passes/ep_loops.py``): per part, the
+    bytes of the token inputs gathered, of the output scattered, of the gathered floats (their gradients go
+    back) and the expert entries cut."""
+    found: dict[str, dict] = {}
+    for r in loops:
+        part = assign.get(r.links[-1])
+        if part is None:
+            return {}, f"the expert loop of {r.layer} is not inside one part of the trace"
+        got = found.setdefault(part, {"n": r.n_experts, "params": 0, "dispatch": 0, "combine": 0, "back": 0,
+                                      "layers": 0})
+        vals = [a.meta.get(meta.VAL) for a in r.gathered]
+        got["n"] = math.gcd(got["n"], r.n_experts)
+        got["params"] += sum(program.params[f].numel for f in r.cut)
+        got["dispatch"] += sum(nbytes(v) or 0 for v in vals)
+        got["back"] += sum(nbytes(v) or 0 for v in vals if v.is_floating_point())
+        got["combine"] += nbytes(r.acc.meta.get(meta.VAL)) or 0
+        got["layers"] += 1
+    return {part: Experts(g["n"], g["params"], (), g["dispatch"], g["combine"], 0, g["layers"], (), "loop", g["back"])
+            for part, g in found.items()}, None
 
 
 class FusedLoss:
