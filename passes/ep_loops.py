@@ -238,10 +238,35 @@ def _classify(program, ep, layer, links, acc, rows, own, sinks, bound) -> LoopRe
     return region
 
 
+def _is_assert(node) -> bool:
+    return packet(node) in (torch.ops.aten._assert_scalar, torch.ops.aten.sym_constrain_range_for_size,
+                            torch.ops.aten.sym_constrain_range)
+
+
+def strip_asserts(gm: torch.fx.GraphModule, targets) -> None:
+    """The submodules ``targets`` of ``gm`` (bodies of a kept link's higher-order ops: dbrx's no-grad
+    ``where``) replaced by copies without the trace's asserts on data-dependent sizes (``u0 <= 16``), which
+    the gathered tokens exceed; the traced program's own submodules stay as they were."""
+    import copy
+
+    for target in sorted(set(targets)):
+        sub = getattr(gm, target, None)
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        sub = copy.deepcopy(sub)
+        for node in reversed(list(sub.graph.nodes)):
+            if _is_assert(node) or (not node.users and node.op == "call_function"
+                                    and not isinstance(node.target, torch._ops.OpOverload)):
+                sub.graph.erase_node(node)  # an assert, or the comparison it read (a plain Python operator)
+        sub.recompile()
+        setattr(gm, target, sub)
+
+
 def rewrite(graph: torch.fx.Graph, region: LoopRegion, names: dict, ep: int, rank: int, group: str,
-            insert) -> dict[str, int]:
+            insert) -> tuple[dict[str, int], list[str]]:
     """Rewrite ``region`` (found on the traced graph; ``names``: name -> node of ``graph``) for ep rank
-    ``rank``; returns the parameters cut (FQN -> rows along dim 0). ``insert(like, target, args)`` makes a
+    ``rank``; returns the parameters cut (FQN -> rows along dim 0) and the submodules of the kept links
+    (:func:`strip_asserts` them once the graph module is made). ``insert(like, target, args)`` makes a
     node where the graph inserts now."""
     def m(node):
         return names[node.name]
@@ -268,7 +293,7 @@ def rewrite(graph: torch.fx.Graph, region: LoopRegion, names: dict, ep: int, ran
     rows = region.acc.meta[meta.VAL].shape
     with graph.inserting_after(acc):
         prev = insert(acc, torch.ops.aten.new_zeros.default, (acc, [ep * rows[0], *rows[1:]]))
-    erase = []
+    erase, bodies = [], []
     for i, link in enumerate(region.links):
         node = m(link)
         if region.owner[i] == rank:
@@ -279,6 +304,7 @@ def rewrite(graph: torch.fx.Graph, region: LoopRegion, names: dict, ep: int, ran
             node.args = (prev, *node.args[1:])
             prev = node
             erase += [m(x) for x in region.sinks[i]]
+            bodies += [x.target for x in region.own[i] if x.op == "get_attr"]
         else:
             erase += [node] + [m(x) for x in region.own[i] | region.sinks[i]]
     tail = m(region.links[-1])
@@ -294,4 +320,4 @@ def rewrite(graph: torch.fx.Graph, region: LoopRegion, names: dict, ep: int, ran
     for node in sorted(set(erase), key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
-    return dict(region.cut)
+    return dict(region.cut), bodies

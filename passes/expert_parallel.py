@@ -38,7 +38,7 @@ from fxpar.ir.errors import PlanError
 from fxpar.ir.expert_ops import EpResult
 from fxpar.ir.op_classes import WEIGHT_VIEWS, expert_matmuls, packet
 from fxpar.ir.program import Program
-from fxpar.passes.ep_loops import loop_chains, loop_regions, rewrite
+from fxpar.passes.ep_loops import loop_chains, loop_regions, rewrite, strip_asserts
 from fxpar.passes.local import bind_local
 
 
@@ -204,12 +204,15 @@ def expert_parallel(program: Program, ep: int, rank: int, group: str,
         for fqn in r.params:
             result.experts[fqn] = (0, r.n_experts)
         result.layers.append(r.layer)
+    bodies = []
     for r in loop_regions(program, ep) if not regions else []:  # experts run as a loop over the experts
-        for fqn, rows in rewrite(graph, r, names, ep, rank, group, lambda *a: _insert(graph, *a)).items():
-            result.experts[fqn] = (0, rows)
+        cut, kept = rewrite(graph, r, names, ep, rank, group, lambda *a: _insert(graph, *a))
+        result.experts.update({fqn: (0, rows) for fqn, rows in cut.items()})
         result.layers.append(r.layer)
+        bodies += kept
     graph.lint()
     gm = torch.fx.GraphModule(program.gm, graph)
+    strip_asserts(gm, bodies)
 
     def cut(fqn, t):
         if fqn not in result.experts:
