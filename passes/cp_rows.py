@@ -33,16 +33,19 @@ aten = torch.ops.aten
 
 def index(rw, node, op, src):
     """``x[..., p]`` with row numbers ``p`` of the layout ``x`` holds at that dim (a whole ``x`` cut to this
-    rank's rows first): the picked rows, in ``p``'s order."""
+    rank's rows first): the picked rows, in ``p``'s order. A whole ``x`` read at ids in this rank's own order
+    gives rows in that order."""
     x, idx = node.args[:2]
     picks = [(i, t) for i, t in enumerate(idx) if t is not None]
     if len(picks) != 1 or picks[0][0] != len(idx) - 1:
         return False
     d, p = picks[0]
-    ps = rw.state.get(p)
+    ps, sx = rw.state.get(p), rw.state.get(x)
+    if isinstance(ps, Tk) and sx is None:  # a whole table read at each row's own ids (an expert's bias)
+        rw.state[node] = data(d + ps.dim, ps.lay, src)
+        return None
     if not isinstance(ps, Pos) or len(shape_of(p)) != 1:
         return False
-    sx = rw.state.get(x)
     if sx is None:
         if not spans(rw, x, d, ps.to):
             return False
@@ -148,7 +151,8 @@ def histc(rw, node, op, src):
             key.target not in (aten.sort.default, aten.sort.stable) or arg(key, 2, "descending", False):
         return False
     n = experts(key.args[0])
-    if n is None or not (hi > lo and lo <= 0 and hi >= n - 1 and bins >= 1):
+    whole = bins == 1 and lo == hi == 0  # one bin over the data's own range: every row in it
+    if not whole and (n is None or not (hi > lo and lo <= 0 and hi >= n - 1 and bins >= 1)):
         return False
     rw.state[node] = Aux(s.lay, "counts", src)
     return None
