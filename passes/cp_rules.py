@@ -25,6 +25,7 @@ from fxpar.ir.op_classes import (
     LAYOUT_CHAIN,
     SAME_ORDER_RESHAPES,
     is_pointwise,
+    writes_first,
 )
 
 aten = torch.ops.aten
@@ -203,15 +204,6 @@ def seq_dim_after(src: tuple, d: int, outer: int, dst: tuple, seq: int) -> Sh | 
         if math.prod(dst[j + 1:]) == after and size % seq == 0 and math.prod(dst[:j]) * (size // seq) == before:
             return Sh(j, size // seq)
     return None
-
-
-def writes_first(node: torch.fx.Node) -> bool:
-    """``node`` writes its first argument in place (``copy_``, ``add_``, ``index_put_``), by its schema."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.arguments:
-        return False
-    alias = schema.arguments[0].alias_info
-    return alias is not None and alias.is_write
 
 
 def lost_write(node: torch.fx.Node, x: torch.fx.Node) -> bool:

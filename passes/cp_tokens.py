@@ -36,13 +36,16 @@ import torch.fx
 from fxpar.ir import meta
 from fxpar.ir.expert_ops import ep_kind
 from fxpar.ir.op_classes import (
+    ALONG_ONE_DIM,
     DIM_REDUCTIONS,
     ELEMENTWISE_LIKE,
     LAST_DIM_NORMS,
     PASS_THROUGH,
     SAME_ORDER_RESHAPES,
     SHAPE_ARG_OPS,
+    SHAPED_LIKE,
     SPLITS,
+    TAKES_AND_PUTS,
     is_grouped_mm,
     is_pointwise,
 )
@@ -67,9 +70,6 @@ from fxpar.passes.cp_rules import (
 )
 
 aten = torch.ops.aten
-LIKE = frozenset({aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like})
-ALONG = frozenset({aten.topk, aten.sort, aten.argsort, aten.max, aten.min, aten.one_hot})
-TAKE_PUT = frozenset({aten.gather, aten.scatter, aten.scatter_, aten.scatter_add, aten.scatter_add_})
 
 
 # ---- dispatch -------------------------------------------------------------------------------------------
@@ -104,9 +104,9 @@ def entry(rw, node, op, src):
     """Ops that start token-local values from a sharded one: along another dim than the sequence's (topk,
     sort, one_hot: the state passes), a 1-D sort along the sequence, a view that flattens the sequence into
     a dim with several rows per token."""
-    if op in ALONG:
+    if op in ALONG_ONE_DIM:
         return along(rw, node, op, src | {node})
-    if op in TAKE_PUT:
+    if op in TAKES_AND_PUTS:
         return take_put(rw, node, op, src)
     s = rw.state.get(node.args[0])
     if op in SAME_ORDER_RESHAPES and isinstance(s, Sh) and \
@@ -128,9 +128,9 @@ def generic(rw, node, op, src):
         return None
     if any(isinstance(s, Pos) for s in ins.values()):
         return pos_arith(rw, node, op, src)
-    if op in ALONG:
+    if op in ALONG_ONE_DIM:
         return along(rw, node, op, src)
-    if op in TAKE_PUT:
+    if op in TAKES_AND_PUTS:
         return take_put(rw, node, op, src)
     if op in SAME_ORDER_RESHAPES or op in (aten.expand, aten.transpose, aten.t, aten.permute, aten.slice,
                                            aten.select):
@@ -282,7 +282,7 @@ def pos_arith(rw, node, op, src):
     give data rows in the numbers' order. Anything else would read this rank's numbering as data."""
     p = node.args[0]
     s = rw.state.get(p)
-    if op in LIKE and isinstance(s, Pos):
+    if op in SHAPED_LIKE and isinstance(s, Pos):
         rw.state[node] = data(0, s.rows, src)
         return None
     floor = op is aten.floor_divide or op is aten.div and node.kwargs.get("rounding_mode") == "floor"

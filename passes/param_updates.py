@@ -28,18 +28,11 @@ import torch.fx
 
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
+from fxpar.ir.op_classes import writes_first
 from fxpar.ir.schedule import microbatches
 from fxpar.ir.stage import StageSpec
 
 aten = torch.ops.aten
-
-
-def _mutates_first(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.arguments:
-        return False
-    alias = schema.arguments[0].alias_info
-    return alias is not None and alias.is_write
 
 
 def _out_of_place(node: torch.fx.Node):
@@ -60,7 +53,7 @@ def needed(plan, program) -> bool:
     if plan.zero == 3:
         return True
     return plan.pp > 1 and microbatches(plan) > 1 and program is not None and any(
-        _mutates_first(n) and n.args and getattr(n.args[0], "target", None) is aten.detach.default
+        writes_first(n) and n.args and getattr(n.args[0], "target", None) is aten.detach.default
         for n in program.graph.nodes)
 
 
@@ -73,7 +66,7 @@ def param_updates(stage: StageSpec, ctx=None) -> StageSpec:
                 if n.target is aten.detach.default and n.args and n.args[0] in params}
     current = dict(params)  # parameter -> the node its later reads read
     for node in list(graph.nodes):
-        if not (_mutates_first(node) and node.args and node.args[0] in detached):
+        if not (writes_first(node) and node.args and node.args[0] in detached):
             continue
         target, param = node.args[0], detached[node.args[0]]
         op = _out_of_place(node)

@@ -174,6 +174,12 @@ LOGITS_BUFFERED = frozenset({aten.cross_entropy_loss})
 READ_BOUND = REDUCTIONS | LOGITS_BUFFERED | {aten.var, aten.std, aten.logsumexp}
 # views that keep, move or cut dims
 DIM_VIEWS = SAME_ORDER_RESHAPES | SHAPE_ARG_OPS | {aten.transpose, aten.permute, aten.t, aten.slice, aten.select}
+# new tensors of another tensor's shape (its values unread)
+SHAPED_LIKE = frozenset({aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like})
+# ops that select, order or expand along one dim, each row of the others on its own (top-k routing)
+ALONG_ONE_DIM = frozenset({aten.topk, aten.sort, aten.argsort, aten.max, aten.min, aten.one_hot})
+# reads and writes at an index tensor's positions along one dim
+TAKES_AND_PUTS = frozenset({aten.gather, aten.scatter, aten.scatter_, aten.scatter_add, aten.scatter_add_})
 
 
 def resolve_ops(names) -> frozenset:
@@ -242,3 +248,12 @@ def kept_by_selective(func) -> bool:
         return True
     ns, op = _op_name(func)  # an observed gather (ZeRO-3's) is regathered, not held (its record says so)
     return ns == "fxpar" and not getattr(COLLECTIVES.get(op), "observed", False)
+
+
+def writes_first(node: torch.fx.Node) -> bool:
+    """``node`` writes its first argument in place (``copy_``, ``add_``, ``index_put_``), by its schema."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
