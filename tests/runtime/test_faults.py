@@ -182,7 +182,9 @@ def test_sigkilled_rank_is_named_by_every_other_rank(tmp_path, victim):
     for rank, seconds in exits.items():
         text = _read(logs[rank])
         assert procs[rank].returncode != 0, text[-3000:]
-        assert seconds < TIMEOUT + 5, (rank, seconds)  # 5 s for the diagnosis and the exit itself
+        # 10 s for the diagnosis and the exit itself: on a loaded 2-core host (2026-11-29) rank 0 exited 28.6 s
+        # after the death (3-9 s when quiet); a rank that hangs is caught by the wait above
+        assert seconds < TIMEOUT + 10, (rank, seconds)
         named = f"rank {victim} is gone" if victim else "rank 0, unless torchrun's agent hosts the store"
         assert "PeerFailure" in text and (named in text or f"rank {victim} is gone" in text), text[-3000:]
         assert f"rank {rank} step {KILL_STEP}" not in text  # the step in which the peer died never finishes
