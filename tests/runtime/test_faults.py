@@ -168,9 +168,9 @@ def test_sigkilled_rank_is_named_by_every_other_rank(tmp_path, victim):
             if rank == victim:
                 continue
             try:
-                p.wait(timeout=max(0.1, died + TIMEOUT + 10 - time.monotonic()))
+                p.wait(timeout=max(0.1, died + TIMEOUT + 20 - time.monotonic()))
             except subprocess.TimeoutExpired:
-                pytest.fail(f"rank {rank} still runs {TIMEOUT + 10} s after rank {victim} died:\n{_read(logs[rank])}")
+                pytest.fail(f"rank {rank} still runs {TIMEOUT + 20} s after rank {victim} died:\n{_read(logs[rank])}")
             exits[rank] = time.monotonic() - died
     finally:
         for p in procs:
@@ -183,7 +183,7 @@ def test_sigkilled_rank_is_named_by_every_other_rank(tmp_path, victim):
         text = _read(logs[rank])
         assert procs[rank].returncode != 0, text[-3000:]
         # 10 s for the diagnosis and the exit itself: on a loaded 2-core host (2026-11-29) rank 0 exited 28.6 s
-        # after the death (3-9 s when quiet); a rank that hangs is caught by the wait above
+        # after the death (3-9 s when quiet); a rank that hangs fails the wait above, 20 s past the timeout
         assert seconds < TIMEOUT + 10, (rank, seconds)
         named = f"rank {victim} is gone" if victim else "rank 0, unless torchrun's agent hosts the store"
         assert "PeerFailure" in text and (named in text or f"rank {victim} is gone" in text), text[-3000:]
