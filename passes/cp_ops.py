@@ -23,6 +23,7 @@ from fxpar.ir.op_classes import (
     SHAPE_ARG_OPS,
     SPLITS,
     is_pointwise,
+    writes_first,
 )
 from fxpar.ir.ops import collective_kind
 from fxpar.passes.cp_rules import (
@@ -34,7 +35,6 @@ from fxpar.passes.cp_rules import (
     shape_of,
     srcs,
     tensor_args,
-    writes_first,
 )
 
 aten = torch.ops.aten

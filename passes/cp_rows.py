@@ -10,7 +10,7 @@ import torch
 import torch.fx
 
 from fxpar.ir.expert_ops import ep_kind
-from fxpar.ir.op_classes import PASS_THROUGH, SAME_ORDER_RESHAPES
+from fxpar.ir.op_classes import PASS_THROUGH, SAME_ORDER_RESHAPES, writes_first
 from fxpar.passes.cp_rules import (
     Aux,
     Canon,
@@ -25,7 +25,6 @@ from fxpar.passes.cp_rules import (
     row_lay,
     shape_of,
     tensor_args,
-    writes_first,
 )
 
 aten = torch.ops.aten

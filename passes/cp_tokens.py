@@ -48,6 +48,7 @@ from fxpar.ir.op_classes import (
     TAKES_AND_PUTS,
     is_grouped_mm,
     is_pointwise,
+    writes_first,
 )
 from fxpar.passes.cp_ops import reduced
 from fxpar.passes.cp_rows import LOCAL_RULES, aux, cut_rows, ep_rule, gmm, spans
@@ -66,7 +67,6 @@ from fxpar.passes.cp_rules import (
     shape_of,
     srcs,
     tensor_args,
-    writes_first,
 )
 
 aten = torch.ops.aten
