@@ -143,6 +143,7 @@ def test_compile_joins_the_group_under_torchrun(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a wall-clock bound: alone, after the parallel pass (under its load a rank exited 30.7 s late)
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("victim", [1, 0])
 def test_sigkilled_rank_is_named_by_every_other_rank(tmp_path, victim):
