@@ -19,13 +19,16 @@ import torch
 import torch.distributed as dist
 
 from fxpar.ir.errors import FxparError
+from fxpar.runtime import dist_calls
 from fxpar.runtime.calibrate_step import rate_loop, typical
 
 __all__ = ["collective_op", "comm_share", "lm_step", "measure_optimizer_tensors", "runtime_measurements"]
 
 _GROUP = "calibrate:0,1"
-# torch's raw calls (timed without fxpar's wrapping), under the installed release's names
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# the raw calls (timed without fxpar's wrapping): the all-gather as the runtime sends it (on gloo one broadcast
+# per member, fxpar.runtime.dist_calls.gather_by_broadcasts), the reduce-scatter under the release's name
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    dist_calls.all_gather_into(out, inp, group)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -163,8 +166,8 @@ def _ep_calls(pg, me: int, sizes, reps: int, experts: int = 4) -> dict:
 def gather_scratch(pg, numel: int = 1 << 20) -> float:
     """Bytes the backend holds beside an all-gather's output while it runs, per output byte (the allocator's
     peak over one all-gather into a buffer made before it, less that buffer; the larger of the members'):
-    gloo gathers into a flat buffer of the output's size and copies it out, 1.0; NCCL writes in place, 0."""
-    from fxpar.runtime import dist_calls
+    0 where the gather writes in place (NCCL; gloo through fxpar's broadcasts), 1.0 where the backend gathers
+    into a flat buffer of the output's size and copies it out (gloo's own all-gather)."""
     from fxpar.runtime.memtrack import AllocatorPeak
 
     x = torch.ones(numel)

@@ -85,7 +85,7 @@ class DeviceProfile:
     # (s per stepped tensor beyond its entries' time, s per parameter group)
     optimizer_tensor: tuple[float, float] = (0.0, 0.0)
     comm_share: dict[int, float] = field(default_factory=dict)  # busy ranks on a node -> a collective's speed factor
-    gather_scratch: float = 0.0  # an all-gather's scratch per output byte (gloo: a flat buffer, 1.0; NCCL: 0)
+    gather_scratch: float = 0.0  # an all-gather's scratch per output byte (gloo's own all-gather: 1.0; in place: 0)
 
     def matmul_flops(self, dtype: str) -> float:
         """Sustained matmul FLOP/s for ``dtype`` ("bf16", "float32", a torch.dtype, ...); a dtype the
@@ -270,7 +270,7 @@ def cpu_default(ranks_per_node: int | None = None) -> DeviceProfile:
         intra=loop, inter=loop, op_overhead=10e-6,
         compute_share={k: min(1.0, cores / k) for k in (1, 2, 4, 8, 16, 32, 64) if k <= max(n, 1)},
         comm_overlaps=False,  # gloo reduces and copies on the cores the ranks compute on
-        optimizer_per_tensor=True, gather_scratch=1.0,  # gloo's all-gather: a flat buffer of its output's size
+        optimizer_per_tensor=True, gather_scratch=0.0,  # fxpar gathers on gloo by broadcasts, in place
         source=f"rough default for an uncalibrated host ({cores} cores); run `fxpar calibrate`")
 
 

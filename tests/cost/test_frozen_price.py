@@ -58,17 +58,18 @@ def test_estimate_prices_frozen_weights_without_their_gradients_state_or_reducti
 
 def test_zero3_prices_the_backend_scratch_of_the_last_forward_gather(lora):
     """With a frozen base the step's peak can be where the forward gathers its last, largest bucket (an LM
-    head's): gloo gathers into a flat buffer as large as the bucket and copies it out (the profile's
-    ``gather_scratch``, 1.0 on gloo). The peak then holds the bucket twice on top of the forward's
-    activations; without the scratch, once."""
+    head's): a backend that gathers into a flat buffer as large as the bucket and copies it out (the profile's
+    ``gather_scratch``: 1.0 for gloo's own all-gather) holds the bucket twice on top of the forward's
+    activations; one that writes in place (NCCL, and fxpar's gloo gathers by broadcasts: the CPU profile's 0),
+    once."""
     from dataclasses import replace
 
     model, _, _ = lora
     costs = model_costs(model, 8, tp_degrees=(1,), sequence_parallel=(False,))
     plan, profile = Plan.parse("dp=2,zero=3"), load_profile("cpu")
-    assert profile.gather_scratch == 1.0
-    got = price_plan(costs, plan, profile, global_batch=4)
-    none = price_plan(costs, plan, replace(profile, gather_scratch=0.0), global_batch=4)
+    assert profile.gather_scratch == 0.0
+    got = price_plan(costs, plan, replace(profile, gather_scratch=1.0), global_batch=4)
+    none = price_plan(costs, plan, profile, global_batch=4)
     bucket = got.memory["buffers"]
     assert bucket > 0 and none.memory["buffers"] == bucket
     held = sum(got.memory[k] for k in STATE) - got.memory["grads"]

@@ -83,7 +83,7 @@ def test_quick_calibration_writes_a_usable_profile(tmp_path, pool2):
     runtime = json.loads(out.read_text())["measurements"]["runtime"]
     assert {"bucket_copy", "gather_copy", "optimizer_tensor"} <= set(runtime), runtime
     assert all(x >= 0 for x in (*p.bucket_copy, *p.gather_copy, *p.optimizer_tensor))
-    assert 0.9 <= p.gather_scratch <= 1.1  # gloo's all-gather: a flat buffer of its output's size beside it
+    assert p.gather_scratch <= 0.05  # fxpar's gloo gathers broadcast into the output (gloo's own: 1.0 beside it)
     assert p.pipeline_action == {} and p.comm_share == {}  # --quick on 2 ranks: neither
     predicted = p.collective_time("all_reduce", MB, 2, inter_node=False)
     measured = max(pool2.run(direct_all_reduce, MB, timeout=60))

@@ -214,16 +214,19 @@ def _sent_by_all_gathers(fn) -> list[int]:
     fxpar.runtime.dist_calls (the runtime's one caller of torch.distributed)."""
     from fxpar.runtime import dist_calls
 
-    real, sent = dist_calls.ALL_GATHER_SINGLE, []
+    reals, sent = (dist_calls.ALL_GATHER_SINGLE, dist_calls.gather_by_broadcasts), []
 
-    def counting(out, inp, **kw):
-        sent.append(inp.numel() * inp.element_size())
-        return real(out, inp, **kw)
-    dist_calls.ALL_GATHER_SINGLE = counting
+    def counting(real):
+        def call(out, inp, **kw):
+            sent.append(inp.numel() * inp.element_size())
+            return real(out, inp, **kw)
+        return call
+    # torch's all-gather, or on gloo fxpar's broadcasts (dist_calls.gather_by_broadcasts)
+    dist_calls.ALL_GATHER_SINGLE, dist_calls.gather_by_broadcasts = map(counting, reals)
     try:
         fn()
     finally:
-        dist_calls.ALL_GATHER_SINGLE = real
+        dist_calls.ALL_GATHER_SINGLE, dist_calls.gather_by_broadcasts = reals
     return sent
 
 
