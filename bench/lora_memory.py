@@ -133,19 +133,18 @@ every rank: what a rank holds between steps falls from 4 x its weights' shard (4
 plus the adapters' weights, gradients and states (under 10 MiB). What stays is the step's activations, the
 same for LoRA as for full fine-tuning, and at this batch (4 x 128 tokens over 4 ranks) they are as large as the
 base's shard: the ratio full / LoRA grows with the model and falls with the batch. Under `dp=4,zero=3` the
-LoRA step peaks where its forward gathers the head's bucket (125 MiB, the vocabulary's 32000 x 1024): gloo
-gathers through a flat buffer of the output's size, so the bucket is there twice on top of the forward's
-activations (the profile's `gather_scratch`, priced since 2026-11-27: 436 MiB predicted before, against 546
-measured). That peak is also why the bound, which counts no gathered bucket, is under the measured peak there."""
+LoRA step peaks where its forward gathers the head's bucket (125 MiB, the vocabulary's 32000 x 1024) on top of
+its activations, which is why the bound, which counts no gathered bucket, is under the measured peak there.
+Until 2026-11-29 gloo's own all-gather held a flat copy of that bucket beside it (546 MiB measured then); fxpar
+now gathers on gloo by broadcasts into the bucket (`fxpar.runtime.dist_calls.gather_by_broadcasts`): 446."""
 
 
 NOTES_RECOMPUTE = """Reading the table. With each decoder layer recomputed in backward (the same plan for both runs),
 the activations fall to the layers' inputs. Under `tp=4` full fine-tuning's peak did not move (709 MiB without
 recompute, 711 with): its weights, gradients and AdamW state (4 x its shard) set it, not its activations; LoRA's
 fell from 362 to 252 MiB, 2.8x under full fine-tuning's. Under `dp=4,zero=3` LoRA's peak still holds the head's
-gathered bucket (125 MiB) and gloo's flat scratch of the same size on top of the rank's shard, which adapters do
-not change, so the ratio stays under 2. The prediction of full fine-tuning there was 12% high (2026-11-29);
-where the difference comes from was not analysed."""
+gathered bucket (125 MiB) on top of the rank's shard, which adapters do not change: 2.35x. The prediction of
+full fine-tuning there is 12% high; where the difference comes from was not analysed."""
 
 
 def main() -> None:
