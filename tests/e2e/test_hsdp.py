@@ -44,8 +44,10 @@ class CommTap(TorchDispatchMode):
     lists (the c10d calls inside their kernels run with the mode off); the engine's own torch.distributed
     calls as c10d ops, with their process group's ranks."""
 
+    # on gloo fxpar all-gathers by one broadcast per member into the output's slices
+    # (fxpar.runtime.dist_calls.gather_by_broadcasts): their payloads add up to the gathered output
     C10D = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather", "allgather_": "all_gather",
-            "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter"}
+            "broadcast_": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter"}
     FXPAR = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_rs_bwd": "all_gather",
              "gather_params": "all_gather", "reduce_scatter": "reduce_scatter"}
 
