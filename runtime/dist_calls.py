@@ -148,12 +148,12 @@ class _Works:
         return True
 
 
-def gather_by_broadcasts(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = True) -> _Works:
+def gather_by_broadcasts(out: torch.Tensor, inp: torch.Tensor, group=None) -> _Works:
     """``ALL_GATHER_SINGLE``'s result on gloo, one broadcast per member into its slice of ``out``. Gloo's own
     all-gather gathers into a flat buffer of the output's size and copies it out, so it holds the output twice;
     measured here (2026-11-29, 16 MiB per rank) it also ran 2.4x slower than the broadcasts at 2 ranks (74 ms
     against 31) and 2.5x at 4 (237 against 94), which hold no buffer beside ``out`` (``bench/gloo_gather.py``).
-    ``async_op`` is accepted for the same signature: the works are always returned."""
+    Returns the broadcasts' works, waited for as one."""
     pg = group if group is not None else dist.group.WORLD
     # one profiler event names the gather ("allgather", as torch's own), around the broadcasts' events
     with torch.profiler.record_function("fxpar::allgather_by_broadcasts"):
