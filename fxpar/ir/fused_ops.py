@@ -12,7 +12,8 @@ these ops without importing the runtime, and a process that runs them imports it
   (chunked over tokens, the max / sum-exp reductions over ``group`` inside). ``loss`` is 0 where the label is
   ``ignore_index``.
   Backward: ``linear_cross_entropy_backward`` (recomputes each chunk's logits), giving ``dhidden`` and
-  ``dweight``; ``dhidden`` is all-reduced over ``group`` inside when ``reduce_grad_hidden``, else left
+  ``dweight`` (``[0, H]`` when ``weight_grad`` is False: a frozen head, a LoRA's, has no gradient to make,
+  neither its matmul per chunk nor the fp32 buffer the size of the head); ``dhidden`` is all-reduced over ``group`` inside when ``reduce_grad_hidden``, else left
   a partial sum for the graph's own reduction (the TP pass gives the hidden state Megatron's f).
 """
 
@@ -58,14 +59,15 @@ def _forward_fake(hidden, weight, labels, vocab_start, group, ignore_index, chun
 def linear_cross_entropy_backward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                   lse: torch.Tensor, grad_loss: torch.Tensor, grad_lse: torch.Tensor,
                                   vocab_start: int, group: str | None, ignore_index: int, chunk: int,
-                                  reduce_grad_hidden: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                                  reduce_grad_hidden: bool,
+                                  weight_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     return _no_kernel("linear_cross_entropy_backward")
 
 
 @linear_cross_entropy_backward.register_fake
 def _backward_fake(hidden, weight, labels, lse, grad_loss, grad_lse, vocab_start, group, ignore_index, chunk,
-                   reduce_grad_hidden):
-    return torch.empty_like(hidden), torch.empty_like(weight)
+                   reduce_grad_hidden, weight_grad=True):
+    return torch.empty_like(hidden), torch.empty_like(weight) if weight_grad else weight.new_empty(0, weight.shape[1])
 
 
 def _setup_context(ctx, inputs, output):
@@ -78,8 +80,9 @@ def _backward(ctx, grad_loss, grad_lse):
     hidden, weight, labels, lse = ctx.saved_tensors
     grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
-    dh, dw = linear_cross_entropy_backward(hidden, weight, labels, lse, grad_loss, grad_lse, *ctx.rest)
-    return dh, dw, None, None, None, None, None, None
+    weight_grad = ctx.needs_input_grad[1]
+    dh, dw = linear_cross_entropy_backward(hidden, weight, labels, lse, grad_loss, grad_lse, *ctx.rest, weight_grad)
+    return dh, dw if weight_grad else None, None, None, None, None, None, None
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)

@@ -211,8 +211,8 @@ def forward_impl(hidden, weight, labels, vocab_start, group, ignore_index, chunk
 
 
 def backward_impl(hidden, weight, labels, lse, grad_loss, grad_lse, vocab_start, group, ignore_index, chunk,
-                  reduce_grad_hidden):
-    """The backward op's kernel as a plain function: (dh, dW)."""
+                  reduce_grad_hidden, weight_grad=True):
+    """The backward op's kernel as a plain function: (dh, dW); dW ``[0, H]`` unless ``weight_grad``."""
     shape = hidden.shape
     hidden, labels = hidden.reshape(-1, shape[-1]), labels.reshape(-1)
     lse, grad_loss, grad_lse = lse.reshape(-1), grad_loss.reshape(-1), grad_lse.reshape(-1)
@@ -222,16 +222,19 @@ def backward_impl(hidden, weight, labels, lse, grad_loss, grad_lse, vocab_start,
     g_lse = grad_lse.float()
     grad = grad_triton if _use_triton(hidden) else grad_torch
     dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    dw = torch.zeros(weight.shape if weight_grad else (0, weight.shape[1]), dtype=torch.float32,
+                     device=weight.device)
     for a, b in _chunks(tokens, chunk_tokens(tokens, hidden.shape[1], shard, chunk)):
         g = grad(_logits(hidden[a:b], weight), tgt[a:b], lse[a:b], g_loss[a:b], g_lse[a:b])
         if weight.dtype == torch.float32 and hidden.dtype == torch.float32:
             torch.mm(g, weight, out=dh[a:b])
-            dw.addmm_(g.t(), hidden[a:b])
+            if weight_grad:
+                dw.addmm_(g.t(), hidden[a:b])
         else:  # low-precision matmuls, dW accumulated over chunks in fp32
             g = g.to(weight.dtype)
             dh[a:b] = torch.mm(g, weight)
-            _accumulate_dw(dw, g, hidden[a:b].to(weight.dtype))
+            if weight_grad:
+                _accumulate_dw(dw, g, hidden[a:b].to(weight.dtype))
     if group and reduce_grad_hidden:
         dh = all_reduce(dh, group)
     return dh.view(shape), dw.to(weight.dtype)

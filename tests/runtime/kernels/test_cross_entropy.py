@@ -86,6 +86,28 @@ def test_lse_output_and_its_gradient():
         torch.testing.assert_close(got.detach(), want.detach(), **TOL)
 
 
+def test_a_frozen_head_gets_no_gradient_and_its_buffer_is_never_made():
+    """A head that does not require grad (a LoRA's): dh as with a trained head, no dW, and backward never
+    allocates the fp32 buffer the size of the head that dW accumulates into."""
+    h, w, y = _data(tokens=40, hidden=16, vocab=96)
+    _, want_dh, _ = _reference(h, w, y)
+    h1 = h.clone().requires_grad_()
+    loss = ce.linear_cross_entropy(h1, w, y, chunk=7)
+    sizes = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            sizes.extend(t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+    with Sizes():
+        loss.backward()
+    torch.testing.assert_close(h1.grad, want_dh, **TOL)
+    assert sizes and max(sizes) < w.numel(), sorted(sizes)[-3:]  # the largest: a chunk's logits (7 x 96)
+    _, _, dw = _fused(h, w, y, chunk=7)  # the same op with a trained head still makes dW
+    assert dw is not None and dw.shape == w.shape
+
+
 def test_low_precision_inputs():
     """bf16 hidden states and weight: bf16 matmuls, fp32 softmax and dW sums; an fp32 loss, bf16 gradients."""
     h, w, y = _data()
