@@ -13,6 +13,16 @@ previous bucket computes. ``Plan(comm_dtype="int8")`` gives the gathers their in
 The runtime frees the gathered bucket after its last forward use and gathers it again for backward
 (``fxpar.runtime.zero3.Zero3Regather``).
 
+A head read only by the fused loss (``Plan(fused_loss=True)``: ``fxpar_kernels.linear_cross_entropy``, not
+split by TP) is never gathered: its bucket holds it alone, each rank's shard is its rows ``[r V/dp, (r+1)
+V/dp)`` of the vocabulary, and the loss runs vocabulary-parallel over the dp group on the tokens of every dp
+rank (:func:`_head_on_shards`): the hidden states are all-gathered (backward: reduce-scattered), so are the
+labels, the loss's max / sum-exp reductions run over the group inside the op, and each rank keeps its own
+tokens' losses (backward: all-gathered). A rank then holds its head rows and a ``[dp T, H]`` hidden state
+where it held the whole ``[V, H]`` head, and moves ``dp T H`` entries where it moved ``V H``; the head's
+gradient is made on the rank that owns it, summed over every rank's tokens, what a reduce-scatter would have
+left there. It needs ``V`` divisible by dp (each rank's shard whole rows, no padding).
+
 ZeRO-3 is this pass and ``fxpar.runtime.zero3``, nothing else. A bucket's flat layout is
 :class:`~fxpar.ir.buckets.FlatBucket`, the same one DDP and ZeRO-1/2 use for their gradient buckets.
 """
@@ -25,7 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from fxpar.ir import meta
+from fxpar.ir import fused_ops, meta
 from fxpar.ir.buckets import FlatBucket
 from fxpar.ir.ops import gather_params_op
 from fxpar.ir.program import layer_of
@@ -117,9 +127,14 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
     # shard's gather records no backward, so its bucket is never reduce-scattered. Frozen tensors gathered
     # alike share buckets (QLoRA's codes, their scales and the norms are three kinds under bf16)
     frozen = {n for n in order if not tensors[n].requires_grad}
+    # heads the fused loss reads on their shards, in buckets of their own; a parameter another signature of
+    # this stage bucketed alone stays alone here (the signatures share their buckets through ``cache``)
+    heads = {n for n in order if _head_rows(getters[n], tensors[n], dp, held, cache)}
+    alone = heads | {key[0] for key in cache if len(key) == 1 and key[0] in getters}
     groups = buckets_of(order, tensors, bucket_bytes,
-                        lambda n: (group_of(n) if group_of is not None and n not in frozen else 0, n in frozen,
-                                   *((tensors[n].dtype, *gathered_as(n)) if n in frozen else ())))
+                        lambda n: ("alone", n) if n in alone else
+                        (group_of(n) if group_of is not None and n not in frozen else 0, n in frozen,
+                         *((tensors[n].dtype, *gathered_as(n)) if n in frozen else ())))
     # the node that first reads each bucket's parameters, and the buckets in the order the graph reads them
     first_use = [min((u for n in names for u in getters[n].users), key=position) for names in groups]
     order = sorted(range(len(groups)), key=lambda i: position(first_use[i]))
@@ -135,6 +150,9 @@ def zero3(gm: torch.fx.GraphModule, params: list[str], dp: int, rank: int, *, gr
         gm.register_parameter(f"_zero3_{i}", bucket.shard)
     for k, i in enumerate(order):
         bucket, names, attr = buckets[i], groups[i], f"_zero3_{i}"
+        if names[0] in heads:
+            _head_on_shards(graph, gm, getters[names[0]], bucket, attr, group, dp, rank)
+            continue
         # issued where the bucket ``prefetch`` places earlier in the graph's order starts being read
         anchor = first_use[order[k - prefetch]] if prefetch and k >= prefetch else first_use[i]
         cast, wire = gathered_as(names[0])
@@ -178,6 +196,64 @@ def _unflatten(graph: torch.fx.Graph, gm: torch.fx.GraphModule, full: torch.fx.N
         getters[name].replace_all_uses_with(view)
         graph.erase_node(getters[name])
         _delete_param(gm, name)
+
+
+def _head_rows(getter: torch.fx.Node, t: torch.Tensor, dp: int, held, cache) -> bool:
+    """Whether the parameter ``getter`` reads is a head the fused loss computes on its shards (module docstring):
+    a ``[V, H]`` weight, ``V`` divisible by ``dp``, whose every reader is a fused loss not split by TP reading
+    it as the weight, and no other signature of the stage put it in a bucket with other parameters."""
+    if dp < 2 or getter.target in held or t.dim() != 2 or t.shape[0] % dp or not getter.users:
+        return False
+    if any(getter.target in key and len(key) > 1 for key in cache):
+        return False
+    op = fused_ops.FUSED_OPS["linear_cross_entropy"]
+    for u in getter.users:
+        if u.op != "call_function" or u.target != op or len(u.args) != 8 or u.kwargs:
+            return False
+        if u.args[1] is not getter or getter in (u.args[0], *u.args[2:]) or u.args[4] is not None:
+            return False
+    return True
+
+
+def _head_on_shards(graph: torch.fx.Graph, gm: torch.fx.GraphModule, getter: torch.fx.Node, bucket: Zero3Bucket,
+                    attr: str, group: str, dp: int, rank: int) -> None:
+    """Each fused loss reading ``getter`` (a head, :func:`_head_rows`) rewritten to compute on this rank's rows of
+    it over the dp group ``group`` (module docstring), the head's ``get_attr`` replaced by its shard's view."""
+    fx = torch.ops.fxpar
+    vocab, hidden = bucket.shapes[0]
+    rows = vocab // dp
+    with graph.inserting_before(getter):
+        shard = graph.get_attr(attr)
+        weight = graph.call_function(aten.view.default, (shard, [rows, hidden]))
+    shard.meta[meta.VAL] = torch.empty_like(bucket.shard, device="meta")
+    weight.meta[meta.VAL] = torch.empty(rows, hidden, dtype=bucket.shard.dtype, device="meta")
+    for m in (meta.MODULE, meta.NN_MODULE_STACK):
+        if m in getter.meta:
+            weight.meta[m] = getter.meta[m]
+
+    def gathered(x: torch.fx.Node, op) -> torch.fx.Node:
+        new = graph.call_function(op, (x, group, 0))
+        v = x.meta[meta.VAL]
+        new.meta[meta.VAL] = v.new_empty((v.shape[0] * dp, *v.shape[1:]), device="meta")
+        return new
+    for loss in list(getter.users):
+        h, _, labels, _, _, ignore, chunk, _ = loss.args
+        with graph.inserting_before(loss):
+            h_all = gathered(h, fx.all_gather_rs_bwd.default)
+            labels_all = gathered(labels, fx.all_gather.default)
+        loss.args = (h_all, weight, labels_all, rank * rows, group, ignore, chunk, False)
+        per_token = labels_all.meta[meta.VAL]
+        loss.meta[meta.VAL] = tuple(torch.empty(per_token.shape, dtype=torch.float32, device="meta")
+                                    for _ in range(2))
+        for item in list(loss.users):  # each output: every dp rank's tokens -> this rank's
+            mine = item.meta[meta.VAL]
+            item.meta[meta.VAL] = loss.meta[meta.VAL][item.args[1]]
+            with graph.inserting_after(item):
+                own = graph.call_function(fx.scatter_slice.default, (item, group, 0))
+            own.meta[meta.VAL] = mine
+            item.replace_all_uses_with(own, delete_user_cb=lambda u: u is not own)
+    graph.erase_node(getter)
+    _delete_param(gm, getter.target)
 
 
 def _reader(names: list[str], tensors: list[torch.Tensor], load_flat) -> Callable[[int, int, int], torch.Tensor]:
