@@ -202,17 +202,24 @@ def _head_rows(getter: torch.fx.Node, t: torch.Tensor, dp: int, held, cache) -> 
     """Whether the parameter ``getter`` reads is a head the fused loss computes on its shards (module docstring):
     a ``[V, H]`` weight, ``V`` divisible by ``dp``, whose every reader is a fused loss not split by TP reading
     it as the weight, and no other signature of the stage put it in a bucket with other parameters."""
-    if dp < 2 or getter.target in held or t.dim() != 2 or t.shape[0] % dp or not getter.users:
+    if dp < 2 or getter.target in held or t.dim() != 2 or t.shape[0] % dp:
         return False
     if any(getter.target in key and len(key) > 1 for key in cache):
         return False
+    return read_as_head(getter)
+
+
+def read_as_head(node: torch.fx.Node) -> bool:
+    """Whether every reader of ``node`` (a parameter's ``get_attr`` or placeholder) is a fused loss not split by
+    TP that reads it as its weight and nothing else: the graph side of the rule (the cost model reads it too,
+    ``fxpar.planner.variants.FusedLoss``)."""
     op = fused_ops.FUSED_OPS["linear_cross_entropy"]
-    for u in getter.users:
+    for u in node.users:
         if u.op != "call_function" or u.target != op or len(u.args) != 8 or u.kwargs:
             return False
-        if u.args[1] is not getter or getter in (u.args[0], *u.args[2:]) or u.args[4] is not None:
+        if u.args[1] is not node or node in (u.args[0], *u.args[2:]) or u.args[4] is not None:
             return False
-    return True
+    return bool(node.users)
 
 
 def _head_on_shards(graph: torch.fx.Graph, gm: torch.fx.GraphModule, getter: torch.fx.Node, bucket: Zero3Bucket,

@@ -95,16 +95,31 @@ class RankSums:
     experts: tuple
     part: tuple
     tensor: tuple
+    part_head: tuple = ()  # ``part`` where ZeRO-3 leaves the fused loss's head on its shards (passes/zero3.py),
+    # the embedding's bucket apart (gathered at the forward's start only)
+    pre: tuple = ()  # the embedding part's entries ("pre")
+    head_rows: int = 0  # that head's rows (0: none), which the shard group must divide
 
     @classmethod
-    def of(cls, st: dict, mine) -> RankSums:
-        """From a Pricer's per-stage figures ``st`` (``params``, ``frozen``, ``eparams``, ``big``, ``bigt``)."""
+    def of(cls, st: dict, mine, head_rows: int = 0) -> RankSums:
+        """From a Pricer's per-stage figures ``st`` (``params``, ``frozen``, ``eparams``, ``big``, ``bigt``,
+        ``bigh``)."""
         def total(key):
             return tuple(sum(st[key][s] for s in r) for r in mine)
 
         def most(key):
             return tuple(max(st[key][s] for s in r) for r in mine)
-        return cls(total("params"), total("frozen"), total("eparams"), most("big"), most("bigt"))
+        return cls(total("params"), total("frozen"), total("eparams"), most("big"), most("bigt"), most("bigh"),
+                   most("pre"), head_rows)
+
+    def on_shards(self, shard: int) -> bool:
+        """Whether ZeRO-3 over ``shard`` ranks leaves the fused loss's head on its shards."""
+        return bool(self.head_rows) and shard > 1 and self.head_rows % shard == 0
+
+    def gathered(self, r: int, shard: int) -> int:
+        """The largest bucket ZeRO-3 holds gathered beside pipeline rank ``r``'s activations over a shard group
+        of ``shard`` ranks."""
+        return self.part_head[r] if self.on_shards(shard) else self.part[r]
 
 
 def per_rank(p, plan: Plan, m: int, ranks: RankSums, hidden, acts, groups: DpGroups, gbytes: float,
@@ -165,15 +180,18 @@ def per_rank(p, plan: Plan, m: int, ranks: RankSums, hidden, acts, groups: DpGro
         buffers, made, bucket, gather_peak = 0, True, 0, 0  # made: whether backward's gradients add to the state
         trains = n / max(1, n + fz)  # the share of a bucket or a tensor that has gradients and optimizer state
         if plan.zero == 3 and dp > 1:
-            part = ranks.part[r]
+            part = ranks.gathered(r, groups.shard)
             buffers, made = part * gbytes, False
             # a gather of the largest bucket late in a forward (an LM head's): what the backend holds beside
             # it while gathering (gloo: as much again) on top of the forward's activations
             gather_peak = held - mem["grads"] + buffers * (1 + p.gather_scratch) + acts[r][2]
+            if ranks.on_shards(groups.shard):  # the embedding's gather as the forward starts, the next prefetched
+                gather_peak = max(gather_peak, held - mem["grads"] + (ranks.pre[r] * (1 + p.gather_scratch) +
+                                                                      part) * gbytes)
             # a bucket's backward: the regathered bucket, its parameters' gradients and their concatenation
             # (then gloo's reduce-scatter copy of it) alive at once; at the last bucket's, every other
             # shard's gradient is made
-            bucket = held + (gbytes + 8 * trains) * part
+            bucket = held + (gbytes + 8 * trains) * ranks.part[r]  # (the embedding's too: its gradient is whole)
         elif plan.zero == 2 and dp > 1 and m > 1:
             made = False  # accumulated whole over the microbatches (counted in the state)
         # gradients held as the step begins: the step drops its stages' parameters' .grad before the forward

@@ -12,6 +12,7 @@ costs; nothing is priced here.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from fxpar.cost.experts import Experts
 from fxpar.cost.partition import top_nodes
@@ -22,6 +23,7 @@ from fxpar.ir.numeric import nbytes
 from fxpar.passes.ep_loops import loop_regions
 from fxpar.passes.expert_parallel import descendants, expert_regions
 from fxpar.passes.fused_loss import fuse_loss
+from fxpar.passes.zero3 import read_as_head
 from fxpar.passes.pipeline_split import loss_position
 from fxpar.passes.tensor_parallel import tensor_parallel
 
@@ -100,6 +102,7 @@ class FusedLoss:
         self.fuses = bool(names)
         self._rank_parts = rank_parts
         self._post: dict = {}
+        self.head = head_on_shards(self.program) if self.fuses else None
 
     def post(self, tp: int, sp: bool):
         key = (tp, sp and tp > 1)
@@ -112,6 +115,31 @@ class FusedLoss:
                 program, _ = tensor_parallel(program, tp, 0, keep_outputs=keep, sequence_parallel=key[1])
             got = self._post[key] = self._rank_parts(program)[0]["post"]
         return got
+
+
+def head_on_shards(program) -> HeadOnShards | None:
+    """The head ZeRO-3 leaves on its shards under the fused loss at tp=1 (``passes/zero3.py``): a 2-D parameter
+    every reader of which is the fused loss, reading it as its weight (None where there is none)."""
+    weights = {b.placeholder: b.target for b in program.inputs if b.kind == "parameter"}
+    for node in program.graph.nodes:
+        fqn = weights.get(node.name) if node.op == "placeholder" else None
+        info = program.params.get(fqn) if fqn is not None else None
+        if info is not None and len(info.shape) == 2 and read_as_head(node):
+            return HeadOnShards(info.shape[0], info.shape[1], info.requires_grad)
+    return None
+
+
+@dataclass(frozen=True)
+class HeadOnShards:
+    """A head ZeRO-3 never gathers (``passes/zero3.py``): its ``rows`` x ``cols`` entries stay sharded by rows
+    over the dp group, where ``rows`` divides by it, and the loss gathers the hidden states instead."""
+
+    rows: int
+    cols: int
+    trained: bool
+
+    def applies(self, dp: int) -> bool:
+        return dp > 1 and self.rows % dp == 0
 
 
 def add_variants(costs, program, parts_of: dict, traced: dict[str, str], assign, node_rows, rank_parts) -> None:
