@@ -121,6 +121,15 @@ def _zero3_case(name: str, plan: str) -> dict:
                if n.op == "call_function"]
     buckets = [b for bs in compiled.zero3_buckets.values() for b in bs]
     head = [b for b in buckets if b.names == ["lm_head.weight"]]
+    # without a step: the loss of a forward without grad, and the logits of one without labels (no fused
+    # loss there: the head's single bucket, shared with the training signature, is gathered)
+    batch = zoo.example_inputs(name, zoo.tiny_config(name), batch=2, seq=8)
+    plain = {k: v for k, v in batch.items() if k != "labels"}
+    ref = zoo.build(name, seed=0)
+    with torch.no_grad():
+        want_loss, want_logits = ref(**batch).loss, ref(**plain).logits
+    out["eval_loss"] = (compiled(**batch).loss - want_loss).abs().item()
+    out["logits"] = (compiled(**plain).logits - want_logits).abs().max().item()
     return {**out, "gathers": targets.count(fx.gather_params.default), "buckets": len(buckets),
             "hidden_gathers": targets.count(fx.all_gather_rs_bwd.default),
             "own_slices": targets.count(fx.scatter_slice.default),
@@ -136,6 +145,7 @@ def test_zero3_computes_an_untied_head_on_its_shards(pool2):
     (GPT-2) is read by the embedding too: it is gathered as before."""
     for r in pool2.run(_zero3_case, "llama", "dp=2,zero=3,fused_loss=1", timeout=300):
         assert r["loss"] <= TOL and r["grad"] <= TOL and r["weights"] <= TOL, r
+        assert r["eval_loss"] <= TOL and r["logits"] <= TOL, r
         assert r["head_shard"] == (r["vocab"] // 2 * r["hidden"],), r
         assert r["gathers"] == r["buckets"] - 1 and r["hidden_gathers"] == 1 and r["own_slices"] == 1, r
     for r in pool2.run(_zero3_case, "gpt2", "dp=2,zero=3,fused_loss=1", timeout=300):
