@@ -151,3 +151,32 @@ def test_zero3_computes_an_untied_head_on_its_shards(pool2):
     for r in pool2.run(_zero3_case, "gpt2", "dp=2,zero=3,fused_loss=1", timeout=300):
         assert r["loss"] <= TOL and r["grad"] <= TOL and r["weights"] <= TOL, r
         assert r["gathers"] == r["buckets"] and r["hidden_gathers"] == 0, r
+
+
+pool4 = multiproc.rank_pool_fixture(4)
+
+
+def _composed_case(plan: str) -> dict:
+    batch = zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=4, seq=16)
+    batch["labels"][0, :3] = -100  # ignored targets on one rank only: each keeps its own count
+    compiled = fxpar.compile(zoo.build("llama", seed=0), plan, example_kwargs=batch, optimizer=_sgd, timeout=120)
+    diffs = train_against_reference(compiled, zoo.build("llama", seed=0), _sgd, batch, 3, grads=True)
+    losses = [n for s in compiled.pipeline.stages_of(compiled.pp_rank) for n in s.gm.graph.nodes if n.target == FUSED]
+    # the fused loss reading its weight from a ZeRO-3 shard (a view of the flat shard parameter)
+    on_shards = [n for n in losses if n.args[1].op == "call_function" and n.args[1].args[0].op == "get_attr" and
+                 n.args[1].args[0].target.startswith("_zero3")]
+    return {**diffs, "on_shards": len(on_shards), "last_stage": compiled.pp_rank == compiled.plan.pp - 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["dp=2,pp=2,zero=3", "dp=4,dp_replicate=2,zero=3", "dp=2,cp=2,zero=3",
+                                  "dp=2,tp=2,zero=3"])
+def test_zero3_head_on_its_shards_composes(pool4, plan):
+    """The head on its shards with pipeline stages (the last stage's dp group), HSDP (the shard group of 2, the
+    head's gradient then all-reduced over the replicas), context parallelism (the shard group spans dp x cp, each
+    rank its own chunk of the sequence) and TP (which splits the head by vocabulary itself: the rule stands
+    aside): loss, every gradient and the weights after 3 SGD steps equal one process."""
+    for r in pool4.run(_composed_case, plan + ",fused_loss=1", timeout=600):
+        assert r["loss"] <= TOL and r["grad"] <= TOL and r["weights"] <= TOL, r
+        on_shards = "tp=" not in plan and r["last_stage"]
+        assert r["on_shards"] == (1 if on_shards else 0), (plan, r)
