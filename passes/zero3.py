@@ -19,9 +19,10 @@ V/dp)`` of the vocabulary, and the loss runs vocabulary-parallel over the dp gro
 rank (:func:`_head_on_shards`): the hidden states are all-gathered (backward: reduce-scattered), so are the
 labels, the loss's max / sum-exp reductions run over the group inside the op, and each rank keeps its own
 tokens' losses (backward: all-gathered). A rank then holds its head rows and a ``[dp T, H]`` hidden state
-where it held the whole ``[V, H]`` head, and moves ``dp T H`` entries where it moved ``V H``; the head's
-gradient is made on the rank that owns it, summed over every rank's tokens, what a reduce-scatter would have
-left there. It needs ``V`` divisible by dp (each rank's shard whole rows, no padding).
+where it held the whole ``[V, H]`` head, and moves the ``dp T H`` hidden states twice (gathered, their gradient
+reduce-scattered) where the head went three times (gathered, regathered, its gradient reduce-scattered); the
+head's gradient is made on the rank that owns it, summed over every rank's tokens, what a reduce-scatter would
+have left there. It needs ``V`` divisible by dp (each rank's shard whole rows, no padding).
 
 ZeRO-3 is this pass and ``fxpar.runtime.zero3``, nothing else. A bucket's flat layout is
 :class:`~fxpar.ir.buckets.FlatBucket`, the same one DDP and ZeRO-1/2 use for their gradient buckets.
