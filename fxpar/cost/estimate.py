@@ -42,7 +42,7 @@ from fxpar.cost.overheads import (
 from fxpar.cost.roofline import is_matmul, work_time
 from fxpar.cost.schedule import EXACT_LIMIT, critical_path, n_actions
 from fxpar.cost.stages import Segments
-from fxpar.cost.zero3_times import zero3_times
+from fxpar.cost.zero3_times import head_figures, head_on_shards_entries, shard_head, zero3_times
 from fxpar.ir import schedule as sched
 from fxpar.ir.errors import PlanError
 from fxpar.ir.plan import Plan
@@ -137,11 +137,6 @@ class Pricer:
         self._kinds[key] = got
         return got
 
-    def head(self, tp: int, fused: bool):
-        """The head ZeRO-3 leaves on its shards (:class:`fxpar.planner.variants.HeadOnShards`) where ``fused``
-        (the plan's fused loss) at ``tp`` = 1 (TP splits it by vocabulary instead), else None."""
-        return self.costs.fused.head if fused and tp == 1 and self.costs.fused is not None else None
-
     def plan_cuts(self, plan: Plan) -> list[str | None]:
         """The modules where ``plan``'s stages 2.. begin: the cuts ``fxpar.compile`` makes for it."""
         _, v, m = self.check(plan)
@@ -159,10 +154,9 @@ class Pricer:
         got = self._stage_cache.get(key)
         if got is not None:
             return got
-        got = {k: [] for k in ("F", "B", "W", "tf", "tb", "params", "kept", "trans", "outs", "tpsent", "big",
-                                "kout", "bigt", "ef", "eb", "eparams", "esent", "cf", "cb", "csent", "frozen",
-                                "bigh", "head", "pre")}
-        head = self.head(tp, var[2])
+        got = {k: [] for k in ("F B W tf tb params kept trans outs tpsent big kout bigt ef eb eparams esent cf cb "
+                               "csent frozen bigh head pre").split()}  # the last 3: zero3_times.head_figures
+        head = shard_head(self, tp, var[2])
         bounds = self.segs.cuts(n_stages, b, dtype)
         for s, e in bounds:
             units: dict[int, float] = {}  # part -> its share in the stage (two halves of a layer: whole)
@@ -181,15 +175,8 @@ class Pricer:
             got["outs"].append(0 if nxt is None else nxt[3] * b // var[3] if nxt[0] == self.segments[e - 1][0] and
                                nxt[2] is not None else ks[-1][0][8])
             got["big"].append(max(k[5] for k, _ in ks))
-            # where ZeRO-3 leaves the fused loss's head on its shards (passes/zero3.py): the largest bucket gathered
-            # after the forward's start, the head not gathered and the embedding ("pre", whose backward reads the
-            # token ids alone) gathered at the start only; and "pre"'s entries, gathered there
-            names = [self.names[i] for i in units]
-            mine = head.rows * head.cols if head is not None and "post" in names else 0
-            got["head"].append(mine)
-            got["pre"].append(next((k[5] for (k, _), n in zip(ks, names) if n == "pre"), 0))
-            got["bigh"].append(max((k[5] - (mine if n == "post" else 0) for (k, _), n in zip(ks, names)
-                                    if n != "pre"), default=0))
+            for name, x in zip(("head", "pre", "bigh"), head_figures([self.names[i] for i in units], ks, head)):
+                got[name].append(x)
             itemsize = 2 if self.costs.dtype in ("bf16", "fp16") else 4  # entries of the largest weight
             got["bigt"].append(max(self.costs.part(self.names[i], tp, sp).largest_weight() for i in units) // itemsize)
             got["tpsent"].append(sum(_tp_sent(self, self.names[i], tp, sp, b) * f for i, f in units.items()))
@@ -252,8 +239,7 @@ class Pricer:
         skey = ("ranks", n_stages, tp, sp, b, rc, world, dtype, _variant(self, plan), name, pp)
         ranks = self._stage_cache.get(skey)
         if ranks is None:  # plans differing only in data parallelism share them
-            head = self.head(tp, _variant(self, plan)[2])
-            ranks = self._stage_cache[skey] = RankSums.of(st, mine, head.rows if head is not None else 0)
+            ranks = self._stage_cache[skey] = RankSums.of(st, mine, shard_head(self, tp, _variant(self, plan)[2]))
         if times_up_to is not None:  # the memory alone first (it reads no time): past the bound, no times
             worst = per_rank(p, dplan, m, ranks, None, acts, groups, gbytes, experts)[2]
             if worst[0] > times_up_to:  # (its bytes: those of the rank with the most work)
@@ -268,10 +254,7 @@ class Pricer:
         if plan.ep > 1 or plan.cp > 1:  # EP all-to-alls, CP KV gathers: they block as TP's do
             tf = [x + y + z for x, y, z in zip(tf, st["ef"], st["cf"])]
             tb = [x + y + z for x, y, z in zip(tb, st["eb"], st["cb"])]
-        zf = zb = [0.0] * n_stages
-        if plan.zero == 3 and groups.shard > 1:
-            zf, zb = zero3_times(self, n_stages, tp, sp, b, rc, world, dtype, groups.shard, groups.shard_inter, gbytes,
-                                 1 if plan.quantize_grads else 4, plan.prefetch > 0, _variant(self, plan))
+        zf, zb = zero3_times(self, plan, n_stages, b, dtype, groups, gbytes, _variant(self, plan))
         # the pipeline runtime's bookkeeping per action (fxpar.cost.overheads; 0 where not measured)
         act = p.pipeline_action.get(name, 0.0) / p.share(min(world, p.ranks_per_node)) if pp > 1 else 0.0
         split = name in sched.SPLIT_BACKWARD  # its backward is two actions, I (= B - W) and W
@@ -318,10 +301,8 @@ def _estimate(self: Pricer, plan: Plan, m: int, step: float, parts: dict, bubble
     memory = {**worst[1], "activations": int(worst[2]), "buffers": int(worst[3]), "total": int(worst[0])}
     trained = [x - y for x, y in zip(st["params"], st["frozen"])]
     n0, f0 = (sum(x[s] for s in mine[r0]) for x in (trained, st["frozen"]))
-    head = self.head(plan.tp, _variant(self, plan)[2])
-    if plan.zero == 3 and head is not None and head.applies(groups.shard):  # gathers hidden states instead
-        on_shards = sum(st["head"][s] for s in mine[r0])
-        n0, f0 = (n0 - on_shards, f0) if head.trained else (n0, f0 - on_shards)
+    on_shards, trained = head_on_shards_entries(self, plan, st, mine[r0], groups.shard, _variant(self, plan)[2])
+    n0, f0 = (n0 - on_shards, f0) if trained else (n0, f0 - on_shards)  # the head's bytes: hidden states' instead
     tp_bytes = m * sum(st["tpsent"][x] for x in mine[r0])
     inside, across = dp_sent(dplan, n0, sum(st["eparams"][s] for s in mine[r0]), m, gbytes, groups, experts, f0)
     dp_inter = inside * groups.shard_inter + across * groups.replicas_inter  # of it, over inter-node links

@@ -101,16 +101,16 @@ class RankSums:
     head_rows: int = 0  # that head's rows (0: none), which the shard group must divide
 
     @classmethod
-    def of(cls, st: dict, mine, head_rows: int = 0) -> RankSums:
+    def of(cls, st: dict, mine, head=None) -> RankSums:
         """From a Pricer's per-stage figures ``st`` (``params``, ``frozen``, ``eparams``, ``big``, ``bigt``,
-        ``bigh``)."""
+        ``bigh``, ``pre``); ``head``: the head ZeRO-3 may leave on its shards (``zero3_times.shard_head``)."""
         def total(key):
             return tuple(sum(st[key][s] for s in r) for r in mine)
 
         def most(key):
             return tuple(max(st[key][s] for s in r) for r in mine)
         return cls(total("params"), total("frozen"), total("eparams"), most("big"), most("bigt"), most("bigh"),
-                   most("pre"), head_rows)
+                   most("pre"), head.rows if head is not None else 0)
 
     def on_shards(self, shard: int) -> bool:
         """Whether ZeRO-3 over ``shard`` ranks leaves the fused loss's head on its shards."""

@@ -13,8 +13,9 @@ these ops without importing the runtime, and a process that runs them imports it
   ``ignore_index``.
   Backward: ``linear_cross_entropy_backward`` (recomputes each chunk's logits), giving ``dhidden`` and
   ``dweight`` (``[0, H]`` when ``weight_grad`` is False: a frozen head, a LoRA's, has no gradient to make,
-  neither its matmul per chunk nor the fp32 buffer the size of the head); ``dhidden`` is all-reduced over ``group`` inside when ``reduce_grad_hidden``, else left
-  a partial sum for the graph's own reduction (the TP pass gives the hidden state Megatron's f).
+  neither its matmul per chunk nor the fp32 buffer the size of the head); ``dhidden`` is all-reduced over
+  ``group`` inside when ``reduce_grad_hidden``, else left a partial sum for the graph's own reduction (the TP
+  pass gives the hidden state Megatron's f).
 """
 
 from __future__ import annotations

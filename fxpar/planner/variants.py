@@ -23,9 +23,9 @@ from fxpar.ir.numeric import nbytes
 from fxpar.passes.ep_loops import loop_regions
 from fxpar.passes.expert_parallel import descendants, expert_regions
 from fxpar.passes.fused_loss import fuse_loss
-from fxpar.passes.zero3 import read_as_head
 from fxpar.passes.pipeline_split import loss_position
 from fxpar.passes.tensor_parallel import tensor_parallel
+from fxpar.passes.zero3 import read_as_head
 
 __all__ = ["FusedLoss", "add_variants", "read_experts"]
 
