@@ -301,8 +301,9 @@ def _estimate(self: Pricer, plan: Plan, m: int, step: float, parts: dict, bubble
     memory = {**worst[1], "activations": int(worst[2]), "buffers": int(worst[3]), "total": int(worst[0])}
     trained = [x - y for x, y in zip(st["params"], st["frozen"])]
     n0, f0 = (sum(x[s] for s in mine[r0]) for x in (trained, st["frozen"]))
-    on_shards, trained = head_on_shards_entries(self, plan, st, mine[r0], groups.shard, _variant(self, plan)[2])
-    n0, f0 = (n0 - on_shards, f0) if trained else (n0, f0 - on_shards)  # the head's bytes: hidden states' instead
+    # a head left on its shards moves none of its bytes (the hidden states gathered in its place are not counted)
+    on_shards, head_trains = head_on_shards_entries(self, plan, st, mine[r0], groups.shard, _variant(self, plan)[2])
+    n0, f0 = (n0 - on_shards, f0) if head_trains else (n0, f0 - on_shards)
     tp_bytes = m * sum(st["tpsent"][x] for x in mine[r0])
     inside, across = dp_sent(dplan, n0, sum(st["eparams"][s] for s in mine[r0]), m, gbytes, groups, experts, f0)
     dp_inter = inside * groups.shard_inter + across * groups.replicas_inter  # of it, over inter-node links
