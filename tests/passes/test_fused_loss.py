@@ -1,6 +1,6 @@
 """``Plan(fused_loss=True)``: the LM head and its cross-entropy as one chunked op (passes/fused_loss.py),
-split over the vocabulary by the TP rule, against one process (loss and every gradient) and against the
-unfused graph's structure."""
+split over the vocabulary by the TP rule or, under ZeRO-3, computed on the head's shards over the dp group
+(passes/zero3.py), against one process (loss and every gradient) and against the unfused graph's structure."""
 
 from __future__ import annotations
 
