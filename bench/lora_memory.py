@@ -102,15 +102,9 @@ def section(extra: str) -> str:
     return f"{SECTION}, {extra.replace(',', ', ')}" if extra else SECTION
 
 
-def _flags(extra: str) -> str:
-    opts = dict(x.split("=", 1) for x in extra.split(",")) if extra else {}
-    flag = f" --recompute {opts.pop('recompute')}" if "recompute" in opts else ""
-    return flag + (f" --options {','.join(f'{k}={v}' for k, v in opts.items())}" if opts else "")
-
-
-def markdown(rows: list[dict], rank: int, load: str, extra: str = "") -> str:
+def markdown(rows: list[dict], rank: int, load: str, extra: str = "", flag: str = "") -> str:
+    """The section; ``flag``: the script's options that chose ``extra`` (as typed, for the command line shown)."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    flag = _flags(extra)
     lines = [section(extra), "",
              f"{now}, {platform.machine()} {os.cpu_count()} cores (shared, load average {load}), torch "
              f"{torch.__version__}, transformers {transformers.__version__}; `python bench/lora_memory.py{flag}`. "
@@ -198,7 +192,9 @@ def main() -> None:
                 print(f"{plan} {run}: peak per rank {[_mb(x) for x in row['per_rank']]} MiB, held at start "
                       f"{_mb(row['start'])}, predicted {_mb(row['pred']['total'])} ({row['pred']}), compiled.memory "
                       f"{row['state']}, losses {[round(x, 4) for x in row['losses']]}", flush=True)
-    text = markdown(rows, args.rank, load, extra)
+    flag = (f" --recompute {args.recompute}" if args.recompute != "none" else "") + \
+        (f" --options {args.options}" if args.options else "")
+    text = markdown(rows, args.rank, load, extra, flag)
     print(text)
     if args.write:
         replace_section(args.write, section(extra), text)

@@ -98,7 +98,7 @@ class RankSums:
     part_head: tuple = ()  # ``part`` where ZeRO-3 leaves the fused loss's head on its shards (passes/zero3.py),
     # the embedding's bucket apart (gathered at the forward's start only)
     pre: tuple = ()  # the embedding part's entries ("pre")
-    head_rows: int = 0  # that head's rows (0: none), which the shard group must divide
+    head: object = None  # that head (fxpar.planner.variants.HeadOnShards; None: none)
 
     @classmethod
     def of(cls, st: dict, mine, head=None) -> RankSums:
@@ -110,11 +110,11 @@ class RankSums:
         def most(key):
             return tuple(max(st[key][s] for s in r) for r in mine)
         return cls(total("params"), total("frozen"), total("eparams"), most("big"), most("bigt"), most("bigh"),
-                   most("pre"), head.rows if head is not None else 0)
+                   most("pre"), head)
 
     def on_shards(self, shard: int) -> bool:
         """Whether ZeRO-3 over ``shard`` ranks leaves the fused loss's head on its shards."""
-        return bool(self.head_rows) and shard > 1 and self.head_rows % shard == 0
+        return self.head is not None and self.head.applies(shard)
 
     def gathered(self, r: int, shard: int) -> int:
         """The largest bucket ZeRO-3 holds gathered beside pipeline rank ``r``'s activations over a shard group

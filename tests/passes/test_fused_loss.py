@@ -113,23 +113,22 @@ def test_fused_loss_matches_one_process(pool2, name, plan, fewer):
 
 
 def _zero3_case(name: str, plan: str) -> dict:
-    out = _tp_case(name, plan)
-    compiled = fxpar.compile(zoo.build(name, seed=0), plan, example_kwargs=zoo.example_inputs(
-        name, zoo.tiny_config(name), batch=2, seq=8), optimizer=_sgd, timeout=120)
+    batch = zoo.example_inputs(name, zoo.tiny_config(name), batch=2, seq=8)
+    compiled = fxpar.compile(zoo.build(name, seed=0), plan, example_kwargs=batch, optimizer=_sgd, timeout=120)
+    ref = zoo.build(name, seed=0)
+    out = train_against_reference(compiled, ref, _sgd, batch, 3, grads=True)
+    # after the steps (both trained alike): the loss of a forward without grad, and the logits of one without
+    # labels (no fused loss there: the head's single bucket, shared with the training signature, is gathered)
+    plain = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        want_loss, want_logits = ref(**batch).loss, ref(**plain).logits
+    out["eval_loss"] = (compiled(**batch).loss - want_loss).abs().item()
+    out["logits"] = (compiled(**plain).logits - want_logits).abs().max().item()
     fx = torch.ops.fxpar
     targets = [n.target for s in compiled.pipeline.stages_of(compiled.pp_rank) for n in s.gm.graph.nodes
                if n.op == "call_function"]
     buckets = [b for bs in compiled.zero3_buckets.values() for b in bs]
     head = [b for b in buckets if b.names == ["lm_head.weight"]]
-    # without a step: the loss of a forward without grad, and the logits of one without labels (no fused
-    # loss there: the head's single bucket, shared with the training signature, is gathered)
-    batch = zoo.example_inputs(name, zoo.tiny_config(name), batch=2, seq=8)
-    plain = {k: v for k, v in batch.items() if k != "labels"}
-    ref = zoo.build(name, seed=0)
-    with torch.no_grad():
-        want_loss, want_logits = ref(**batch).loss, ref(**plain).logits
-    out["eval_loss"] = (compiled(**batch).loss - want_loss).abs().item()
-    out["logits"] = (compiled(**plain).logits - want_logits).abs().max().item()
     return {**out, "gathers": targets.count(fx.gather_params.default), "buckets": len(buckets),
             "hidden_gathers": targets.count(fx.all_gather_rs_bwd.default),
             "own_slices": targets.count(fx.scatter_slice.default),
