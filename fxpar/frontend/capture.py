@@ -48,16 +48,22 @@ def capture_program(model: torch.nn.Module, example_args: tuple = (), example_kw
     example_args = tuple(example_args)
     example_kwargs = dict(example_kwargs or {})
     directory = run_options().program_cache  # FXPAR_PROGRAM_CACHE: a program traced in an earlier run
-    name = ep = None
+    name = None
     if directory is not None and program_cache.cacheable(frontend, dynamic):
         name = program_cache.key(model, example_args, example_kwargs, frontend=frontend, dynamic=dynamic,
                                  stack_traces=stack_traces)
-        ep, used = program_cache.load(directory, name), "export"
-    if ep is None:
+    if name is None:
         with cache_off_for_trace(model, call_values(model, example_args, example_kwargs)):
             ep, used = _capture_with_fallback(model, example_args, example_kwargs, frontend, dynamic, stack_traces)
-        if name is not None and used == "export":
-            program_cache.save(directory, name, ep)
+        return program_from_exported(ep, model, frontend=used)
+    with program_cache.turn(directory, name):  # a host's ranks: one traces, the others load its file
+        ep, used = program_cache.load(directory, name), "export"
+        if ep is None:
+            with cache_off_for_trace(model, call_values(model, example_args, example_kwargs)):
+                ep, used = _capture_with_fallback(model, example_args, example_kwargs, frontend, dynamic,
+                                                  stack_traces)
+            if used == "export":
+                program_cache.save(directory, name, ep)
     return program_from_exported(ep, model, frontend=used)
 
 

@@ -1,14 +1,20 @@
 """The program cache (``FXPAR_PROGRAM_CACHE``): a second trace of an unchanged model loads the program the
-first one saved instead of calling torch.export, and gives the same graph, loss and gradients; a changed
-config value traces again."""
+first one saved instead of calling torch.export, and gives the same graph (every node's meta included),
+loss and gradients; a changed config value traces again; a model whose behaviour the key cannot read (a
+class made inside a function) is never kept; ranks tracing the same program at once trace it once."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 import fxpar
 from fxpar import zoo
+from fxpar.testing import multiproc
 from fxpar.testing.compare import grads_by_fqn
+
+pool2 = multiproc.rank_pool(2)
 
 
 def _counting_exports(monkeypatch) -> list:
@@ -37,11 +43,17 @@ def test_a_second_trace_loads_the_saved_program_and_a_changed_config_traces_agai
     inputs = zoo.example_inputs("llama", model, batch=2, seq=8)
 
     fresh = fxpar.trace(model, example_kwargs=inputs, frontend="export")
-    assert len(exports) == 1 and len(list(tmp_path.glob("*.pt2"))) == 1
+    assert len(exports) == 1 and len(list(tmp_path.glob("*.pkl"))) == 1
     cached = fxpar.trace(model, example_kwargs=inputs, frontend="export")
     assert len(exports) == 1, "the second trace called torch.export instead of loading the saved program"
     assert str(cached.gm.graph) == str(fresh.gm.graph)
     assert cached.gm.code == fresh.gm.code
+    for a, b in zip(fresh.gm.graph.nodes, cached.gm.graph.nodes, strict=True):  # torch's own pickling drops meta
+        assert a.meta.keys() == b.meta.keys(), a.name
+        assert a.meta.get("nn_module_stack") == b.meta.get("nn_module_stack"), a.name
+        va, vb = a.meta.get("val"), b.meta.get("val")
+        if isinstance(va, torch.Tensor):
+            assert (va.shape, va.stride(), va.dtype, va.device) == (vb.shape, vb.stride(), vb.dtype, vb.device)
 
     loss, grads = _loss_and_grads(fresh, model, inputs)
     loss_c, grads_c = _loss_and_grads(cached, model, inputs)
@@ -50,4 +62,47 @@ def test_a_second_trace_loads_the_saved_program_and_a_changed_config_traces_agai
 
     other = zoo.build("llama", seed=0, num_hidden_layers=1, rms_norm_eps=1e-3)  # same tensors, one config value changed
     fxpar.trace(other, example_kwargs=inputs, frontend="export")
-    assert len(exports) == 2 and len(list(tmp_path.glob("*.pt2"))) == 2
+    assert len(exports) == 2 and len(list(tmp_path.glob("*.pkl"))) == 2
+
+
+def _scaled(factor: float) -> torch.nn.Module:
+    class Scaled(torch.nn.Module):  # one name, one source, a behaviour from the call: no key can tell two apart
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * factor
+
+    return Scaled()
+
+
+def test_a_class_made_inside_a_function_is_traced_every_time(monkeypatch, tmp_path):
+    monkeypatch.setenv("FXPAR_PROGRAM_CACHE", str(tmp_path))
+    exports = _counting_exports(monkeypatch)
+    x = torch.randn(2, 4)
+    twice, thrice = _scaled(2.0), _scaled(3.0)
+    thrice.load_state_dict(twice.state_dict())
+    assert torch.allclose(fxpar.trace(twice, (x,))(x), twice(x))
+    assert torch.allclose(fxpar.trace(thrice, (x,))(x), thrice(x))
+    assert len(exports) == 2 and not list(tmp_path.glob("*.pkl"))
+
+
+def _trace_counting_exports(directory: str) -> int:
+    os.environ["FXPAR_PROGRAM_CACHE"] = directory
+    calls = []
+    real = torch.export.export
+    torch.export.export = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        model = zoo.build("llama", seed=0, num_hidden_layers=1)
+        inputs = zoo.example_inputs("llama", model, batch=2, seq=8)
+        program = fxpar.trace(model, example_kwargs=inputs)
+        assert torch.equal(program(**inputs).loss, model(**inputs).loss)
+    finally:
+        torch.export.export = real
+        del os.environ["FXPAR_PROGRAM_CACHE"]
+    return len(calls)
+
+
+def test_ranks_tracing_one_program_at_once_trace_it_once(pool2, tmp_path):
+    assert sorted(pool2.run(_trace_counting_exports, str(tmp_path), timeout=120)) == [0, 1]
