@@ -89,6 +89,7 @@ def test_a_class_made_inside_a_function_is_traced_every_time(monkeypatch, tmp_pa
 
 
 def _trace_counting_exports(directory: str) -> int:
+    saved = os.environ.get("FXPAR_PROGRAM_CACHE")  # ./dev test's own, for the pool's later cases
     os.environ["FXPAR_PROGRAM_CACHE"] = directory
     calls = []
     real = torch.export.export
@@ -100,7 +101,10 @@ def _trace_counting_exports(directory: str) -> int:
         assert torch.equal(program(**inputs).loss, model(**inputs).loss)
     finally:
         torch.export.export = real
-        del os.environ["FXPAR_PROGRAM_CACHE"]
+        if saved is None:
+            del os.environ["FXPAR_PROGRAM_CACHE"]
+        else:
+            os.environ["FXPAR_PROGRAM_CACHE"] = saved
     return len(calls)
 
 
