@@ -17,9 +17,9 @@ The file is the pickled ``ExportedProgram`` (:class:`_Pickler`), not ``torch.exp
 two-layer Llama ``torch.export.load`` took 1.7 s here, as long as the trace it replaces (its deserialiser
 resolves type hints per field), where the pickle loads in 0.04 s. The stock pickling of a ``GraphModule``
 keeps only its code and traces it again on load, losing every node's ``meta`` (``val``, ``nn_module_stack``),
-so the graph is kept node for node; fake tensors are kept as their shapes and strides and made again in one
-fresh ``FakeTensorMode`` per file. A pickle is tied to the torch and fxpar versions, which the key holds;
-the directory is the user's own, as Inductor's caches are.
+so the graph is kept node for node; fake tensors are kept as their storages (shared as traced) and layouts,
+and made again in one fresh ``FakeTensorMode`` per file. A pickle is tied to the torch and fxpar versions,
+which the key holds; the directory is the user's own, as Inductor's caches are.
 
 Processes that capture the same program at once (the ranks of one host) take turns on ``<key>.lock``
 (:func:`turn`): the first traces and writes, the others load what it wrote.
@@ -62,7 +62,7 @@ def key(model: torch.nn.Module, example_args: tuple, example_kwargs: dict, *, fr
         stack_traces: bool) -> str | None:
     """The hex digest naming the program ``model`` captures from these inputs and options; None where the
     model cannot be named (:func:`_unnamed`), so it is traced every time."""
-    if _unnamed(model):
+    if _unnamed(model) or not _plain_containers(pytree.tree_structure((tuple(example_args), dict(example_kwargs)))):
         return None
     parts = {
         "format": FORMAT,
@@ -93,6 +93,15 @@ def _unnamed(model: torch.nn.Module) -> bool:
                for v in vars(m).values()):
             return True
     return False
+
+
+def _plain_containers(spec: pytree.TreeSpec) -> bool:
+    """Whether the inputs nest only in tuples, lists and dicts. A registered node such as a KV cache holds
+    objects in its spec (the model's config) that a loaded program's spec would hold copies of, and the
+    program checks its inputs' spec against the traced one."""
+    if spec.is_leaf():
+        return True
+    return spec.type in (tuple, list, dict) and all(_plain_containers(c) for c in spec.children())
 
 
 def _function_name(v) -> str | None:
@@ -174,14 +183,39 @@ def turn(directory: Path, name: str):
 
 
 _LOADING: list[FakeTensorMode] = []  # the fake mode of the file being loaded (one per file)
+_FUNCTION_OP = "fxpar::autograd_function"  # fxpar.ir.function_op: its calls live in the tracing process
 _GM_DERIVED = ("_code", "_lineno_map", "_prologue_start", "forward")  # made again by recompile()
+
+
+class _Storage:
+    """One storage the program's fake tensors live in, pickled once however many views read it (the cost
+    model tells saved activations apart by storage); on load, one meta storage of the same size."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def __getstate__(self):
+        return {"nbytes": self.nbytes}
+
+    def meta(self) -> torch.UntypedStorage:
+        if "_meta" not in self.__dict__:
+            self._meta = torch.UntypedStorage(self.nbytes, device="meta")
+        return self._meta
 
 
 class _Pickler(pickle.Pickler):
     """Pickles operators by name, a ``GraphModule`` with its graph (not its code) and a static-shaped fake
-    tensor by its layout; a symbolic size fails the dump (the program is then not kept)."""
+    tensor by its storage and layout; a symbolic size fails the dump (the program is then not kept), as does
+    a user ``autograd.Function`` (its op finds the Function in the tracing process's own table)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._storages: dict[int, _Storage] = {}
 
     def reducer_override(self, obj):
+        if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and \
+                getattr(obj, "_qualified_op_name", getattr(obj, "name", lambda: "")()) == _FUNCTION_OP:
+            raise pickle.PicklingError("a user autograd.Function, kept in this process's table")
         if isinstance(obj, torch._ops.OpOverload):
             return _operator, (obj.namespace, obj._schema.name.split("::", 1)[1], obj._overloadname)
         if isinstance(obj, torch._ops.OpOverloadPacket):
@@ -189,11 +223,13 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch._ops.HigherOrderOperator):
             return _higher_order, (obj.name(),)
         if isinstance(obj, FakeTensor):
-            layout = (*obj.shape, *obj.stride(), obj.storage_offset())
+            storage = obj.untyped_storage()
+            layout = (*obj.shape, *obj.stride(), obj.storage_offset(), storage.nbytes())
             if not all(isinstance(v, int) for v in layout):
                 raise pickle.PicklingError("a fake tensor with a symbolic size")
-            return _fake, (tuple(obj.shape), tuple(obj.stride()), obj.storage_offset(), obj.dtype, str(obj.device),
-                           obj.requires_grad)
+            shared = self._storages.setdefault(storage._cdata, _Storage(storage.nbytes()))
+            return _fake, (shared, tuple(obj.shape), tuple(obj.stride()), obj.storage_offset(), obj.dtype,
+                           str(obj.device), obj.requires_grad)
         if isinstance(obj, GraphModule):
             state = {k: v for k, v in obj.__dict__.items() if k not in _GM_DERIVED}
             return _new_graph_module, (), state, None, None, _set_graph_module
@@ -209,10 +245,8 @@ def _higher_order(name: str):
     return getattr(torch.ops.higher_order, name)
 
 
-def _fake(shape, stride, offset, dtype, device, requires_grad):
-    meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-    if offset:
-        meta = meta.as_strided(shape, stride, offset)
+def _fake(storage: _Storage, shape, stride, offset, dtype, device, requires_grad):
+    meta = torch.empty(0, dtype=dtype, device="meta").set_(storage.meta(), offset, shape, stride)
     t = FakeTensor(_LOADING[-1], meta, torch.device(device))
     return t.requires_grad_(True) if requires_grad else t
 
@@ -244,12 +278,36 @@ def _config_text(model: torch.nn.Module) -> str | None:
     return to_json(use_diff=False) if callable(to_json) else None
 
 
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}  # hooks, parameter and child tables
+
+
 def _plain_attributes(m: torch.nn.Module) -> list:
-    """A module's public attributes of plain types (``head_dim``, ``eps``, ``scaling``) and the functions it
-    keeps (by qualified name): forward may read or call them."""
-    out = [[k, repr(v)] for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, _PLAIN)]
-    out += [[k, name] for k, v in vars(m).items() if (name := _function_name(v)) is not None]
-    return sorted(out)
+    """Every attribute a module keeps besides its children, parameters and buffers (forward may read it):
+    as text (:func:`_value_text`)."""
+    return sorted([k, _value_text(v)] for k, v in vars(m).items()
+                  if k not in _MODULE_INTERNALS and not isinstance(v, torch.nn.Module))
+
+
+def _value_text(v) -> str:
+    """A value as the key reads it: plain values and containers of them (PEFT's ``scaling`` dict, whose
+    number rsLoRA changes) by ``repr``; a tensor kept as a plain attribute by its contents (the trace keeps
+    it as a constant); a function by its qualified name; a config by its JSON; anything else by ``repr``
+    (a default one holds the object's address, so it never matches another process's)."""
+    if isinstance(v, (*_PLAIN, torch.dtype, torch.device)):
+        return repr(v)
+    if isinstance(v, (list, tuple, set, frozenset)):
+        items = sorted(map(_value_text, v)) if isinstance(v, (set, frozenset)) else list(map(_value_text, v))
+        return f"{type(v).__name__}[{', '.join(items)}]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_value_text(k)}: {_value_text(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, torch.Tensor):
+        contents = "" if v.is_meta else hashlib.sha256(v.detach().cpu().contiguous().view(-1).view(torch.uint8)
+                                                       .numpy().tobytes()).hexdigest()
+        return f"tensor{list(v.shape)}{v.dtype}{contents}"
+    if (name := _function_name(v)) is not None:
+        return name
+    to_json = getattr(v, "to_json_string", None)
+    return to_json(use_diff=False) if callable(to_json) else repr(v)
 
 
 def _class_name(cls: type) -> str:

@@ -1,7 +1,7 @@
 """The program cache (``FXPAR_PROGRAM_CACHE``): a second trace of an unchanged model loads the program the
 first one saved instead of calling torch.export, and gives the same graph (every node's meta included),
-loss and gradients; a changed config value traces again; a model whose behaviour the key cannot read (a
-class made inside a function) is never kept; ranks tracing the same program at once trace it once."""
+loss and gradients; a changed config value or module attribute traces again; a model whose behaviour the
+key cannot read (a class made inside a function) is never kept; ranks tracing the same program at once trace it once."""
 
 from __future__ import annotations
 
@@ -86,6 +86,31 @@ def test_a_class_made_inside_a_function_is_traced_every_time(monkeypatch, tmp_pa
     assert torch.allclose(fxpar.trace(twice, (x,))(x), twice(x))
     assert torch.allclose(fxpar.trace(thrice, (x,))(x), thrice(x))
     assert len(exports) == 2 and not list(tmp_path.glob("*.pkl"))
+
+
+class _DictScaled(torch.nn.Module):
+    """Its factor in a dict, as PEFT keeps ``scaling`` (rsLoRA changes the number, not the code)."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scaling = {"default": factor}
+
+    def forward(self, x):
+        return self.lin(x) * self.scaling["default"]
+
+
+def test_an_attribute_in_a_container_is_part_of_the_key(monkeypatch, tmp_path):
+    monkeypatch.setenv("FXPAR_PROGRAM_CACHE", str(tmp_path))
+    exports = _counting_exports(monkeypatch)
+    x = torch.randn(2, 4)
+    twice, thrice = _DictScaled(2.0), _DictScaled(3.0)
+    thrice.load_state_dict(twice.state_dict())
+    assert torch.allclose(fxpar.trace(twice, (x,))(x), twice(x))
+    assert torch.allclose(fxpar.trace(thrice, (x,))(x), thrice(x))
+    assert len(exports) == 2 and len(list(tmp_path.glob("*.pkl"))) == 2
+    fxpar.trace(_DictScaled(3.0), (x,))
+    assert len(exports) == 2, "an equal model traced again"
 
 
 def _trace_counting_exports(directory: str) -> int:
