@@ -233,6 +233,10 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, GraphModule):
             state = {k: v for k, v in obj.__dict__.items() if k not in _GM_DERIVED}
             return _new_graph_module, (), state, None, None, _set_graph_module
+        if isinstance(obj, torch.fx.Graph):
+            return _graph, (obj._codegen, obj._tracer_cls, obj._tracer_extras, _node_records(obj))
+        if isinstance(obj, torch.fx.Node):  # only as a record's _Ref; one anywhere else (a meta entry): not kept
+            raise pickle.PicklingError(f"node {obj.name} is referred to outside the graph's records")
         return NotImplemented
 
 
@@ -251,13 +255,45 @@ def _fake(storage: _Storage, shape, stride, offset, dtype, device, requires_grad
     return t.requires_grad_(True) if requires_grad else t
 
 
+class _Ref:
+    """A node argument in a pickled graph: the index of the node it names."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _node_records(graph: torch.fx.Graph) -> list:
+    """The graph as a flat list, one record per node, arguments naming nodes by index. Pickling the nodes
+    themselves recurses through their links and arguments, as deep as the graph is long (an 8-layer Llama
+    exceeded Python's recursion limit)."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    refer = functools.partial(torch.fx.node.map_arg, fn=lambda n: _Ref(index[n]))
+    return [(n.op, n.target, refer(n.args), refer(n.kwargs), n.name, n.type, n.meta) for n in graph.nodes]
+
+
+def _graph(codegen, tracer_cls, tracer_extras, records: list) -> torch.fx.Graph:
+    graph = torch.fx.Graph(tracer_cls=tracer_cls, tracer_extras=tracer_extras)
+    graph._codegen = codegen
+    nodes: list[torch.fx.Node] = []
+
+    def resolve(a):
+        return nodes[a.index] if isinstance(a, _Ref) else a
+    for op, target, args, kwargs, name, type_expr, meta in records:
+        node = graph.create_node(op, target, torch.fx.node.map_aggregate(args, resolve),
+                                 torch.fx.node.map_aggregate(kwargs, resolve), name, type_expr)
+        node.meta = meta
+        nodes.append(node)
+    return graph
+
+
 def _new_graph_module():
     return GraphModule.__new__(GraphModule)  # its own subclass, as every GraphModule has
 
 
 def _set_graph_module(gm: GraphModule, state: dict) -> None:
+    graph = state.pop("_graph")
     gm.__dict__.update(state)
-    gm.recompile()
+    gm.graph = graph  # owns it, and recompiles
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
