@@ -88,6 +88,19 @@ def test_a_class_made_inside_a_function_is_traced_every_time(monkeypatch, tmp_pa
     assert len(exports) == 2 and not list(tmp_path.glob("*.pkl"))
 
 
+def test_a_deep_program_is_kept(monkeypatch, tmp_path):
+    """Pickled node by node, a graph recursed as deep as it is long: 8 Llama layers passed Python's limit."""
+    monkeypatch.setenv("FXPAR_PROGRAM_CACHE", str(tmp_path))
+    exports = _counting_exports(monkeypatch)
+    model = zoo.build("llama", seed=0, num_hidden_layers=12)
+    inputs = zoo.example_inputs("llama", model, batch=1, seq=4)
+    fresh = fxpar.trace(model, example_kwargs=inputs)
+    assert len(list(tmp_path.glob("*.pkl"))) == 1, "the program was not written"
+    cached = fxpar.trace(model, example_kwargs=inputs)
+    assert len(exports) == 1 and cached.gm.code == fresh.gm.code
+    assert torch.equal(cached(**inputs).loss, fresh(**inputs).loss)
+
+
 class _DictScaled(torch.nn.Module):
     """Its factor in a dict, as PEFT keeps ``scaling`` (rsLoRA changes the number, not the code)."""
 
