@@ -2,7 +2,7 @@
 again: :func:`key` names what a capture depends on, :func:`load` and :func:`save` read and write the
 ``ExportedProgram`` with ``torch.export.load`` / ``torch.export.save``.
 
-Reads: the model (its class, config, every submodule's class, training flag and plain attributes, the source
+Reads: the model (its class, config, every submodule's class, training flag and attributes, the source
 files those classes come from, every parameter's and buffer's name, shape, dtype and device), the example
 inputs (pytree structure, tensor shapes, dtypes, devices; other values by repr), the capture options, and
 the torch, transformers and fxpar versions with fxpar's frontend sources. Writes: ``<dir>/<key>.pkl``.
@@ -11,7 +11,9 @@ Only the export frontend's programs are kept, and only with static shapes or ``d
 ``dynamic_shapes`` dict holds ``Dim`` objects without a stable text). The weights are not written: the
 saved program's state dict holds meta tensors of the same shapes (lowering binds the model's own tensors).
 A file that does not load (another torch, a damaged write) is traced again and rewritten; a program that
-cannot be written (a node that refers to a function defined inside another) is used as traced and not kept.
+cannot be written (a symbolic size, a user ``autograd.Function``, a node named in another node's meta) is
+used as traced and not kept. A model the key cannot read (:func:`_unnamed`) and inputs nested in a registered
+pytree node (a KV cache) are traced every time.
 
 The file is the pickled ``ExportedProgram`` (:class:`_Pickler`), not ``torch.export.save``'s archive: for a
 two-layer Llama ``torch.export.load`` took 1.7 s here, as long as the trace it replaces (its deserialiser
@@ -213,13 +215,12 @@ class _Pickler(pickle.Pickler):
         self._storages: dict[int, _Storage] = {}
 
     def reducer_override(self, obj):
-        if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and \
-                getattr(obj, "_qualified_op_name", getattr(obj, "name", lambda: "")()) == _FUNCTION_OP:
-            raise pickle.PicklingError("a user autograd.Function, kept in this process's table")
-        if isinstance(obj, torch._ops.OpOverload):
-            return _operator, (obj.namespace, obj._schema.name.split("::", 1)[1], obj._overloadname)
-        if isinstance(obj, torch._ops.OpOverloadPacket):
-            return _operator, (*obj._qualified_op_name.split("::", 1), None)
+        if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            qualified = obj._schema.name if isinstance(obj, torch._ops.OpOverload) else obj._qualified_op_name
+            if qualified == _FUNCTION_OP:
+                raise pickle.PicklingError("a user autograd.Function, kept in this process's table")
+            overload = obj._overloadname if isinstance(obj, torch._ops.OpOverload) else None
+            return _operator, (*qualified.split("::", 1), overload)
         if isinstance(obj, torch._ops.HigherOrderOperator):
             return _higher_order, (obj.name(),)
         if isinstance(obj, FakeTensor):
@@ -342,8 +343,10 @@ def _value_text(v) -> str:
         return f"tensor{list(v.shape)}{v.dtype}{contents}"
     if (name := _function_name(v)) is not None:
         return name
-    to_json = getattr(v, "to_json_string", None)
-    return to_json(use_diff=False) if callable(to_json) else repr(v)
+    try:
+        return v.to_json_string(use_diff=False)  # a transformers config (or generation config)
+    except (AttributeError, TypeError):
+        return repr(v)
 
 
 def _class_name(cls: type) -> str:
