@@ -53,22 +53,25 @@ def capture_program(model: torch.nn.Module, example_args: tuple = (), example_kw
         name = program_cache.key(model, example_args, example_kwargs, frontend=frontend, dynamic=dynamic,
                                  stack_traces=stack_traces)
     if name is None:
-        with cache_off_for_trace(model, call_values(model, example_args, example_kwargs)):
-            ep, used = _capture_with_fallback(model, example_args, example_kwargs, frontend, dynamic, stack_traces)
-        return program_from_exported(ep, model, frontend=used)
-    with program_cache.turn(directory, name):  # a host's ranks: one traces, the others load its file
-        ep, used = program_cache.load(directory, name), "export"
-        if ep is None:
-            with cache_off_for_trace(model, call_values(model, example_args, example_kwargs)):
+        ep, used = _capture_with_fallback(model, example_args, example_kwargs, frontend, dynamic, stack_traces)
+    else:
+        with program_cache.turn(directory, name):  # a host's ranks: one traces, the others load its file
+            ep, used = program_cache.load(directory, name), "export"
+            if ep is None:
                 ep, used = _capture_with_fallback(model, example_args, example_kwargs, frontend, dynamic,
                                                   stack_traces)
-            if used == "export":
-                program_cache.save(directory, name, ep)
+                if used == "export":
+                    program_cache.save(directory, name, ep)
     return program_from_exported(ep, model, frontend=used)
 
 
 def _capture_with_fallback(model, example_args, example_kwargs, frontend: str, dynamic, stack_traces: bool):
-    """(ExportedProgram, the frontend that made it)."""
+    """(ExportedProgram, the frontend that made it), traced with the model's KV cache off."""
+    with cache_off_for_trace(model, call_values(model, example_args, example_kwargs)):
+        return _capture_either(model, example_args, example_kwargs, frontend, dynamic, stack_traces)
+
+
+def _capture_either(model, example_args, example_kwargs, frontend: str, dynamic, stack_traces: bool):
     if frontend == "auto":
         try:
             ep, used = _capture(model, example_args, example_kwargs, "export", dynamic, stack_traces), "export"

@@ -77,14 +77,21 @@ def _scaled(factor: float) -> torch.nn.Module:
     return Scaled()
 
 
-def test_a_class_made_inside_a_function_is_traced_every_time(monkeypatch, tmp_path):
+def _two_scales_traced(monkeypatch, tmp_path, make) -> list:
+    """Trace ``make(2.0)`` and ``make(3.0)`` (same weights) with the cache in ``tmp_path``; each program must
+    compute its own model's output. Returns the exports counter."""
     monkeypatch.setenv("FXPAR_PROGRAM_CACHE", str(tmp_path))
     exports = _counting_exports(monkeypatch)
     x = torch.randn(2, 4)
-    twice, thrice = _scaled(2.0), _scaled(3.0)
+    twice, thrice = make(2.0), make(3.0)
     thrice.load_state_dict(twice.state_dict())
     assert torch.allclose(fxpar.trace(twice, (x,))(x), twice(x))
     assert torch.allclose(fxpar.trace(thrice, (x,))(x), thrice(x))
+    return exports
+
+
+def test_a_class_made_inside_a_function_is_traced_every_time(monkeypatch, tmp_path):
+    exports = _two_scales_traced(monkeypatch, tmp_path, _scaled)
     assert len(exports) == 2 and not list(tmp_path.glob("*.pkl"))
 
 
@@ -114,15 +121,9 @@ class _DictScaled(torch.nn.Module):
 
 
 def test_an_attribute_in_a_container_is_part_of_the_key(monkeypatch, tmp_path):
-    monkeypatch.setenv("FXPAR_PROGRAM_CACHE", str(tmp_path))
-    exports = _counting_exports(monkeypatch)
-    x = torch.randn(2, 4)
-    twice, thrice = _DictScaled(2.0), _DictScaled(3.0)
-    thrice.load_state_dict(twice.state_dict())
-    assert torch.allclose(fxpar.trace(twice, (x,))(x), twice(x))
-    assert torch.allclose(fxpar.trace(thrice, (x,))(x), thrice(x))
+    exports = _two_scales_traced(monkeypatch, tmp_path, _DictScaled)
     assert len(exports) == 2 and len(list(tmp_path.glob("*.pkl"))) == 2
-    fxpar.trace(_DictScaled(3.0), (x,))
+    fxpar.trace(_DictScaled(3.0), (torch.randn(2, 4),))
     assert len(exports) == 2, "an equal model traced again"
 
 
