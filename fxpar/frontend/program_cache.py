@@ -1,6 +1,5 @@
 """Captured programs kept on disk across runs (``FXPAR_PROGRAM_CACHE``), so an unchanged model is not traced
-again: :func:`key` names what a capture depends on, :func:`load` and :func:`save` read and write the
-``ExportedProgram`` with ``torch.export.load`` / ``torch.export.save``.
+again: :func:`key` names what a capture depends on, :func:`load` and :func:`save` read and write it.
 
 Reads: the model (its class, config, every submodule's class, training flag and attributes, the source
 files those classes come from, every parameter's and buffer's name, shape, dtype and device), the example
@@ -225,10 +224,12 @@ class _Pickler(pickle.Pickler):
             return _higher_order, (obj.name(),)
         if isinstance(obj, FakeTensor):
             storage = obj.untyped_storage()
-            layout = (*obj.shape, *obj.stride(), obj.storage_offset(), storage.nbytes())
+            layout = (*obj.shape, *obj.stride(), obj.storage_offset())
             if not all(isinstance(v, int) for v in layout):
                 raise pickle.PicklingError("a fake tensor with a symbolic size")
-            shared = self._storages.setdefault(storage._cdata, _Storage(storage.nbytes()))
+            shared = self._storages.setdefault(storage._cdata, _Storage(_storage_bytes(obj, storage)))
+            if _extent(obj) > shared.nbytes:
+                raise pickle.PicklingError("views of one storage of a symbolic size")
             return _fake, (shared, tuple(obj.shape), tuple(obj.stride()), obj.storage_offset(), obj.dtype,
                            str(obj.device), obj.requires_grad)
         if isinstance(obj, GraphModule):
@@ -239,6 +240,18 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch.fx.Node):  # only as a record's _Ref; one anywhere else (a meta entry): not kept
             raise pickle.PicklingError(f"node {obj.name} is referred to outside the graph's records")
         return NotImplemented
+
+
+def _extent(t: torch.Tensor) -> int:
+    """The bytes of storage a static-shaped tensor reaches."""
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else -1
+    return (last + 1) * t.element_size()
+
+
+def _storage_bytes(t: torch.Tensor, storage) -> int:
+    """The storage's size. An input traced from a view (a microbatch sliced from its batch) has a base of
+    a symbolic size: the loaded program's storage is then what the tensor reaches."""
+    return storage.nbytes() if isinstance(storage.nbytes(), int) else _extent(t)
 
 
 def _operator(namespace: str, name: str, overload: str | None):

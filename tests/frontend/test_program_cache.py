@@ -149,3 +149,18 @@ def _trace_counting_exports(directory: str) -> int:
 
 def test_ranks_tracing_one_program_at_once_trace_it_once(pool2, tmp_path):
     assert sorted(pool2.run(_trace_counting_exports, str(tmp_path), timeout=120)) == [0, 1]
+
+
+def test_a_microbatch_sliced_from_its_batch_is_kept(monkeypatch, tmp_path):
+    """A pipeline's or gradient accumulation's first microbatch is a view of the batch: export gives its
+    base a symbolic size, which kept every microbatched compile from the cache."""
+    monkeypatch.setenv("FXPAR_PROGRAM_CACHE", str(tmp_path))
+    exports = _counting_exports(monkeypatch)
+    model = zoo.build("llama", seed=0, num_hidden_layers=1)
+    batch = zoo.example_inputs("llama", model, batch=4, seq=8)
+    micro = {k: v.chunk(2)[1] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}  # views, at an offset
+    fresh = fxpar.trace(model, example_kwargs=micro)
+    assert len(list(tmp_path.glob("*.pkl"))) == 1, "the program was not written"
+    cached = fxpar.trace(model, example_kwargs=micro)
+    assert len(exports) == 1 and cached.gm.code == fresh.gm.code
+    assert torch.equal(cached(**micro).loss, fresh(**micro).loss)
