@@ -12,6 +12,10 @@ import pytest
 
 from fxpar import zoo
 from fxpar.cli import main
+from fxpar.testing import multiproc
+from fxpar.testing.cli import fxpar_on_rank
+
+pool2 = multiproc.rank_pool(2)
 
 
 def analytic_flops(cfg, batch: int, seq: int) -> int:
@@ -121,35 +125,37 @@ def test_plan_command_shows_stages_collectives_and_memory():
 
 
 @pytest.mark.slow
-def test_train_under_torchrun_saves_and_resumes_under_another_plan(tmp_path):
+def test_train_under_torchrun_saves_and_resumes_under_another_plan(tmp_path, pool2):
     """`fxpar train` on 2 processes with pp=2 for 4 steps, saving every 2; then resumed with dp=2 from the
     step-2 checkpoint: weights and optimizer states (AdamW's moments: step 4's loss depends on them)
     reshard, so its steps 3 and 4 are the uninterrupted run's (same-plan resumption after a lost rank:
-    tests/cli/test_train_resume.py)."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "-m", "fxpar", "train", "llama", "--data", "synthetic", "--batch", "4", "--seq", "16", "--steps", "4",
-                "--max-grad-norm", "0.5"]
-    first = _run(torchrun + ["--plan", "pp=2", "--save", str(tmp_path / "ckpt"), "--save-every", "2",
-                             "--export", str(tmp_path / "hf"), "--losses-out", str(tmp_path / "first.txt")])
+    tests/cli/test_train_resume.py). The first run is launched by torchrun; the resumed and the planned
+    runs are the same command on a pool's 2 ranks (:func:`fxpar.testing.cli.fxpar_on_rank`)."""
+    train = ["train", "llama", "--data", "synthetic", "--batch", "4", "--seq", "16", "--steps", "4",
+             "--max-grad-norm", "0.5"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fxpar"]
+    first = _run(torchrun + train + ["--plan", "pp=2", "--save", str(tmp_path / "ckpt"), "--save-every", "2",
+                                     "--export", str(tmp_path / "hf"), "--losses-out", str(tmp_path / "first.txt")])
     assert first.returncode == 0, first.stderr[-3000:]
     assert "step 4/4  loss" in first.stdout and "tok/s" in first.stdout and "mem/rank" in first.stdout
     assert "grad norm" in first.stdout  # --max-grad-norm: the global norm logged (and clipped to 0.5)
     assert (tmp_path / "hf" / "model.safetensors").exists()
     (tmp_path / "ckpt" / "latest").write_text("step_00000002\n")  # resume from step 2, not the last save
-    second = _run(torchrun + ["--plan", "dp=2", "--resume", str(tmp_path / "ckpt"),
-                              "--losses-out", str(tmp_path / "second.txt")])
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resuming from" in second.stdout and "step 4/4" in second.stdout and "afresh" not in second.stdout
+    (rc, out, err), _ = pool2.run(fxpar_on_rank, train + ["--plan", "dp=2", "--resume", str(tmp_path / "ckpt"),
+                                                          "--losses-out", str(tmp_path / "second.txt")])
+    assert rc == 0, err[-3000:]
+    assert "resuming from" in out and "step 4/4" in out and "afresh" not in out
     uninterrupted = [float(x) for x in (tmp_path / "first.txt").read_text().split()]
     resumed = [float(x) for x in (tmp_path / "second.txt").read_text().split()]
     assert len(uninterrupted) == 4 and len(resumed) == 2
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[2:])) < 1e-5, (resumed, uninterrupted)
     # --plan auto: the planner chooses for the 2 ranks and the step's batch; the same losses as pp=2
-    auto = _run(torchrun + ["--plan", "auto", "--steps", "2", "--losses-out", str(tmp_path / "auto.txt")])
-    assert auto.returncode == 0, auto.stderr[-3000:]
-    chosen = re.search(r"plan: (Plan\(.*?\))", auto.stdout)
-    assert chosen and "step 2/2" in auto.stdout, auto.stdout[-2000:]
-    assert "plan 'auto': " in auto.stdout and "  why: the fastest of " in auto.stdout, auto.stdout[-2000:]
+    (rc, out, err), _ = pool2.run(fxpar_on_rank, train + ["--steps", "2", "--plan", "auto",
+                                                          "--losses-out", str(tmp_path / "auto.txt")])
+    assert rc == 0, err[-3000:]
+    chosen = re.search(r"plan: (Plan\(.*?\))", out)
+    assert chosen and "step 2/2" in out, out[-2000:]
+    assert "plan 'auto': " in out and "  why: the fastest of " in out, out[-2000:]
     planned = [float(x) for x in (tmp_path / "auto.txt").read_text().split()]
     assert max(abs(a - b) for a, b in zip(planned, uninterrupted[:2])) < 1e-5, (chosen.group(1), planned, uninterrupted)
 

@@ -18,6 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from fxpar.testing import multiproc
+from fxpar.testing.cli import fxpar_on_rank
+
+pool2 = multiproc.rank_pool(2)
 HERE = os.path.abspath(__file__)
 STEPS, SAVE_EVERY, KILL_AFTER = 6, 2, 4
 
@@ -40,11 +44,13 @@ def _killing_train(argv: list[str]) -> int:
     return train.main(argv)
 
 
+_ARGS = ["llama", "--data", "synthetic", "--plan", "pp=2,microbatches=2", "--batch", "4", "--seq", "16",
+         "--steps", str(STEPS)]
+
+
 def _torchrun(tmp_path, name: str, extra: list[str], restarts: int) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--max-restarts", str(restarts), HERE, "llama", "--data", "synthetic", "--plan", "pp=2,microbatches=2",
-           "--batch", "4",
-           "--seq", "16", "--steps", str(STEPS), "--losses-out", str(tmp_path / f"{name}.losses"), *extra]
+           "--max-restarts", str(restarts), HERE, *_ARGS, "--losses-out", str(tmp_path / f"{name}.losses"), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FXPAR_TIMEOUT": "30"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
 
@@ -56,7 +62,7 @@ def _printed(stdout: str) -> dict[int, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_torchrun_restart_resumes_from_latest_with_the_same_losses(tmp_path):
+def test_torchrun_restart_resumes_from_latest_with_the_same_losses(tmp_path, pool2):
     ckpt = str(tmp_path / "ckpt")
     restarted = _torchrun(tmp_path, "restarted", ["--save", ckpt, "--save-every", str(SAVE_EVERY),
                                                   "--resume", "auto"], restarts=1)
@@ -65,12 +71,13 @@ def test_torchrun_restart_resumes_from_latest_with_the_same_losses(tmp_path):
     assert (tmp_path / "killed").read_text() == f"rank 1: SIGKILL after saving step {KILL_AFTER}"
     assert f"--resume auto: no checkpoint in {ckpt} yet: starting at step 0" in restarted.stdout, out[-4000:]
     assert f"resuming from {ckpt}/step_{KILL_AFTER:08d} (step {KILL_AFTER})" in restarted.stdout, out[-4000:]
-    whole = _torchrun(tmp_path, "whole", [], restarts=0)
-    assert whole.returncode == 0, (whole.stdout + whole.stderr)[-4000:]
+    # the uninterrupted run: the same command on a pool's 2 ranks (no launcher needed to compare against)
+    (rc, whole, err), _ = pool2.run(fxpar_on_rank, ["train", *_ARGS, "--losses-out", str(tmp_path / "whole.losses")])
+    assert rc == 0, err[-4000:]
 
     resumed = [float(x) for x in (tmp_path / "restarted.losses").read_text().split()]  # steps after the restart
     straight = [float(x) for x in (tmp_path / "whole.losses").read_text().split()]
-    curve, reference = _printed(restarted.stdout), _printed(whole.stdout)
+    curve, reference = _printed(restarted.stdout), _printed(whole)
     print("uninterrupted:", straight, "\nresumed steps", KILL_AFTER + 1, "..:", resumed)
     assert len(straight) == STEPS and len(resumed) == STEPS - KILL_AFTER
     assert max(abs(a - b) for a, b in zip(resumed, straight[KILL_AFTER:])) <= 1e-6
