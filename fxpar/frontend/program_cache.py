@@ -43,6 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch._prims_common import compute_required_storage_length
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
@@ -228,7 +229,7 @@ class _Pickler(pickle.Pickler):
             if not all(isinstance(v, int) for v in layout):
                 raise pickle.PicklingError("a fake tensor with a symbolic size")
             shared = self._storages.setdefault(storage._cdata, _Storage(_storage_bytes(obj, storage)))
-            if _extent(obj) > shared.nbytes:
+            if _reach(obj) > shared.nbytes:
                 raise pickle.PicklingError("views of one storage of a symbolic size")
             return _fake, (shared, tuple(obj.shape), tuple(obj.stride()), obj.storage_offset(), obj.dtype,
                            str(obj.device), obj.requires_grad)
@@ -242,16 +243,16 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def _extent(t: torch.Tensor) -> int:
+def _reach(t: torch.Tensor) -> int:
     """The bytes of storage a static-shaped tensor reaches."""
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else -1
-    return (last + 1) * t.element_size()
+    return compute_required_storage_length(t.shape, t.stride(), t.storage_offset()) * t.element_size()
 
 
 def _storage_bytes(t: torch.Tensor, storage) -> int:
     """The storage's size. An input traced from a view (a microbatch sliced from its batch) has a base of
     a symbolic size: the loaded program's storage is then what the tensor reaches."""
-    return storage.nbytes() if isinstance(storage.nbytes(), int) else _extent(t)
+    nbytes = storage.nbytes()
+    return nbytes if isinstance(nbytes, int) else _reach(t)
 
 
 def _operator(namespace: str, name: str, overload: str | None):

@@ -97,10 +97,14 @@ def test_a_class_made_inside_a_function_is_traced_every_time(monkeypatch, tmp_pa
 
 def test_a_deep_program_is_kept(monkeypatch, tmp_path):
     """Pickled node by node, a graph recursed as deep as it is long: 8 Llama layers passed Python's limit."""
+    model = zoo.build("llama", seed=0, num_hidden_layers=12)
+    _kept_and_loaded(monkeypatch, tmp_path, model, zoo.example_inputs("llama", model, batch=1, seq=4))
+
+
+def _kept_and_loaded(monkeypatch, tmp_path, model, inputs) -> None:
+    """The first trace writes the program, the second loads it: one export, the same code and loss."""
     monkeypatch.setenv("FXPAR_PROGRAM_CACHE", str(tmp_path))
     exports = _counting_exports(monkeypatch)
-    model = zoo.build("llama", seed=0, num_hidden_layers=12)
-    inputs = zoo.example_inputs("llama", model, batch=1, seq=4)
     fresh = fxpar.trace(model, example_kwargs=inputs)
     assert len(list(tmp_path.glob("*.pkl"))) == 1, "the program was not written"
     cached = fxpar.trace(model, example_kwargs=inputs)
@@ -152,15 +156,9 @@ def test_ranks_tracing_one_program_at_once_trace_it_once(pool2, tmp_path):
 
 
 def test_a_microbatch_sliced_from_its_batch_is_kept(monkeypatch, tmp_path):
-    """A pipeline's or gradient accumulation's first microbatch is a view of the batch: export gives its
-    base a symbolic size, which kept every microbatched compile from the cache."""
-    monkeypatch.setenv("FXPAR_PROGRAM_CACHE", str(tmp_path))
-    exports = _counting_exports(monkeypatch)
+    """A pipeline's or gradient accumulation's microbatch is a view into the batch: export gives its base a
+    symbolic size, which had kept every microbatched compile out of the cache."""
     model = zoo.build("llama", seed=0, num_hidden_layers=1)
     batch = zoo.example_inputs("llama", model, batch=4, seq=8)
     micro = {k: v.chunk(2)[1] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}  # views, at an offset
-    fresh = fxpar.trace(model, example_kwargs=micro)
-    assert len(list(tmp_path.glob("*.pkl"))) == 1, "the program was not written"
-    cached = fxpar.trace(model, example_kwargs=micro)
-    assert len(exports) == 1 and cached.gm.code == fresh.gm.code
-    assert torch.equal(cached(**micro).loss, fresh(**micro).loss)
+    _kept_and_loaded(monkeypatch, tmp_path, model, micro)
