@@ -325,8 +325,7 @@ def _inputs(example_args: tuple, example_kwargs: dict) -> list:
 
 def _config_text(model: torch.nn.Module) -> str | None:
     config = getattr(model, "config", None)
-    to_json = getattr(config, "to_json_string", None)
-    return to_json(use_diff=False) if callable(to_json) else None
+    return _value_text(config) if callable(getattr(config, "to_json_string", None)) else None
 
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}  # hooks, parameter and child tables
@@ -357,8 +356,9 @@ def _value_text(v) -> str:
         return f"tensor{list(v.shape)}{v.dtype}{contents}"
     if (name := _function_name(v)) is not None:
         return name
-    try:
-        return v.to_json_string(use_diff=False)  # a transformers config (or generation config)
+    try:  # a transformers config, with the private settings its JSON leaves out (which attention kernels run)
+        return v.to_json_string(use_diff=False) + repr(sorted(
+            (k, x) for k, x in vars(v).items() if k.startswith("_") and isinstance(x, _PLAIN)))
     except (AttributeError, TypeError):
         return repr(v)
 

@@ -1,7 +1,8 @@
 """The program cache (``FXPAR_PROGRAM_CACHE``): a second trace of an unchanged model loads the program the
 first one saved instead of calling torch.export, and gives the same graph (every node's meta included),
-loss and gradients; a changed config value or module attribute traces again; a model whose behaviour the
-key cannot read (a class made inside a function) is never kept; ranks tracing the same program at once trace it once."""
+loss and gradients; a changed config value (a private one too) or module attribute traces again; a model
+whose behaviour the key cannot read (a class made inside a function) is never kept; ranks tracing the same
+program at once trace it once."""
 
 from __future__ import annotations
 
@@ -63,6 +64,22 @@ def test_a_second_trace_loads_the_saved_program_and_a_changed_config_traces_agai
     other = zoo.build("llama", seed=0, num_hidden_layers=1, rms_norm_eps=1e-3)  # same tensors, one config value changed
     fxpar.trace(other, example_kwargs=inputs, frontend="export")
     assert len(exports) == 2 and len(list(tmp_path.glob("*.pkl"))) == 2
+
+
+def test_another_attention_implementation_traces_again(monkeypatch, tmp_path):
+    """``config._attn_implementation`` is a private setting the config's JSON leaves out: eager attention
+    and SDPA trace to different graphs, so the key holds it."""
+    monkeypatch.setenv("FXPAR_PROGRAM_CACHE", str(tmp_path))
+    exports = _counting_exports(monkeypatch)
+    inputs = zoo.example_inputs("llama", zoo.tiny_config("llama"), batch=2, seq=8)
+    graphs = {}
+    for kind in ("sdpa", "eager"):
+        model = zoo.build("llama", seed=0, num_hidden_layers=1)
+        model.config._attn_implementation = kind
+        graphs[kind] = fxpar.trace(model, example_kwargs=inputs, frontend="export").gm.graph
+    assert len(exports) == 2
+    assert any("scaled_dot_product" in str(n.target) for n in graphs["sdpa"].nodes)
+    assert not any("scaled_dot_product" in str(n.target) for n in graphs["eager"].nodes)
 
 
 def _scaled(factor: float) -> torch.nn.Module:
