@@ -50,7 +50,7 @@ import torch.fx
 
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
-from fxpar.ir.program import Program
+from fxpar.ir.program import Program, graph_module
 from fxpar.passes import cp_rules as rules
 from fxpar.passes import cp_ulysses
 from fxpar.passes.cp_ops import outputs
@@ -108,7 +108,7 @@ def _rewrite(program: Program, cp: int, rank: int, group: str, keep_outputs, att
     graph = torch.fx.Graph()
     out = graph.graph_copy(program.gm.graph, {})  # the traced program is left as it was
     graph.output(out)
-    gm = torch.fx.GraphModule(program.gm, graph)
+    gm = graph_module(program.gm, graph)
     seq = sequence_length(program)
     layout = rules.Layout(seq=seq, cp=cp, rank=rank, group=group)
     res = CpResult(cp=cp, seq=seq, attention_mode=attention)

@@ -37,7 +37,7 @@ from fxpar.ir import expert_ops, meta
 from fxpar.ir.errors import PlanError
 from fxpar.ir.expert_ops import EpResult
 from fxpar.ir.op_classes import WEIGHT_VIEWS, expert_matmuls, packet
-from fxpar.ir.program import Program
+from fxpar.ir.program import Program, graph_module
 from fxpar.passes.ep_loops import loop_chains, loop_regions, rewrite, strip_asserts
 from fxpar.passes.local import bind_local
 
@@ -211,7 +211,7 @@ def expert_parallel(program: Program, ep: int, rank: int, group: str,
         result.layers.append(r.layer)
         bodies += kept
     graph.lint()
-    gm = torch.fx.GraphModule(program.gm, graph)
+    gm = graph_module(program.gm, graph)
     strip_asserts(gm, bodies)
 
     def cut(fqn, t):

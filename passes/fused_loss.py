@@ -28,7 +28,7 @@ import torch.fx
 from fxpar.cost.flops import annotate_costs
 from fxpar.ir import fused_ops, meta
 from fxpar.ir.op_classes import ASSERTS, ORDER_KEEPING
-from fxpar.ir.program import Program
+from fxpar.ir.program import Program, graph_module
 
 aten = torch.ops.aten
 _CE_ARGS = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
@@ -45,7 +45,7 @@ def fuse_loss(program: Program) -> tuple[Program, list[str]]:
         return program, []
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(program.graph, {}))
-    program = program.with_gm(torch.fx.GraphModule(program.gm, graph))
+    program = program.with_gm(graph_module(program.gm, graph))
     fused = []
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target == aten.cross_entropy_loss.default:

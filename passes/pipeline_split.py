@@ -39,7 +39,7 @@ from fxpar.cost.partition import cut_position, module_positions, top_nodes
 from fxpar.ir import meta
 from fxpar.ir.analysis import grad_flow
 from fxpar.ir.errors import PlanError
-from fxpar.ir.program import Program
+from fxpar.ir.program import Program, graph_module
 from fxpar.ir.stage import PipelineProgram, StageSpec, ValueRef
 
 
@@ -164,7 +164,7 @@ def split_pipeline(program: Program, cuts: list[tuple[str, str]], stage_to_rank:
                 bring(a)
             env[node] = g.node_copy(node, lambda a: env[a])
         g.output(tuple(env[n] for n in outputs[s]))
-        gm = torch.fx.GraphModule(root, g)
+        gm = graph_module(root, g)
         final = {}
         for j, pos in enumerate(user_positions):
             arg = flat_outputs[pos]

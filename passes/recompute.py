@@ -56,6 +56,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from fxpar.ir import meta
 from fxpar.ir.errors import PlanError
 from fxpar.ir.op_classes import kept_by_selective
+from fxpar.ir.program import graph_module
 from fxpar.ir.schedule import SPLIT_BACKWARD, schedule_record  # noqa: F401 (SPLIT_BACKWARD: read by fxpar.planner.feasibility)
 from fxpar.ir.stage import StageSpec
 
@@ -179,7 +180,7 @@ def _outline(gm: torch.fx.GraphModule, unit: str, seg: list[torch.fx.Node], inde
     for n in seg:
         env[n] = sub.node_copy(n, lambda x: env[x])
     sub.output(tuple(env[o] for o in outputs))
-    body = torch.fx.GraphModule(gm, sub, class_name="RecomputedLayer")
+    body = graph_module(gm, sub, class_name="RecomputedLayer")
     name = f"recompute_{index}"
     gm.add_submodule(name, Recomputed(body, mode))
     args = tuple(i for i in inputs if env[i].op == "placeholder")

@@ -229,6 +229,9 @@ class CompiledStage:
         if self.failed is not None:
             return self.gm(*args)
         try:
+            # Dynamo traces the generated forwards: lazy GraphModules (fxpar.ir.program.graph_module) make them now
+            for m in self.gm.modules():
+                torch.fx._lazy_graph_module._LazyGraphModule.force_recompile(m)
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 return self.compiled(*args)
         except torch._dynamo.exc.TorchDynamoException as e:  # raised while compiling, before running

@@ -37,7 +37,7 @@ import torch.fx
 from fxpar.cost.flops import annotate_costs
 from fxpar.ir import meta
 from fxpar.ir.placement import ShardLayout, TpResult
-from fxpar.ir.program import Program
+from fxpar.ir.program import Program, graph_module
 from fxpar.passes.local import bind_local
 from fxpar.passes.tensor_parallel.channels import rewrite_with_channels
 from fxpar.passes.tensor_parallel.reasons import gathered_params, replicated_reasons
@@ -74,7 +74,7 @@ def tensor_parallel(program: Program, tp: int, rank: int, styles: dict[str, str]
         program, resolved, tp, rank, group, keep_outputs=keep_outputs, sequence_parallel=sequence_parallel,
         derived=derived))
     graph.eliminate_dead_code()
-    gm = torch.fx.GraphModule(program.gm, graph)
+    gm = graph_module(program.gm, graph)
     pieces = {fqn: rw.segments[fqn] for fqn in rw.param_dim if fqn in rw.segments}
     result = TpResult(dict(rw.param_dim), pieces, list(rw.fallbacks), tp)
     result.whole = {fqn: w for fqn, w in rw.packing.whole.items() if fqn in pieces}  # pieces every rank holds whole
