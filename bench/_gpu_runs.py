@@ -7,6 +7,7 @@ import gc
 import os
 import socket
 import time
+import unittest.mock
 import warnings
 
 import torch
@@ -18,7 +19,8 @@ from _gpu_checks import TINY_BUCKET, Env, _fmt, table
 PLANS = ("compile=0", "", "zero=1", "zero=2", "zero=3", "zero=3,comm_dtype=int8", "recompute=layer", "fused_loss=1",
          "mixed_precision=bf16", "compile=1", "compile=1,mixed_precision=bf16", "compile=1,fused_loss=1")
 # Inductor on the CPU costs CI 10-20 s a plan (cold cache): the dry run leaves the compiled plans to the
-# slice, whose Plan(compile=True) row takes the same path, and to tests/runtime/test_compile_stages.py
+# slice, whose Plan(compile=True) row takes the same path up to Inductor (FXPAR_COMPILE_BACKEND=aot_eager
+# there), and Inductor to tests/runtime/test_compile_stages.py
 DRY_SKIPS = tuple(p for p in PLANS if "compile=1" in p)
 TOL = {"fp32": 1e-5, "bf16": 2e-3}  # |loss - reference loss| allowed over three AdamW steps
 
@@ -205,8 +207,11 @@ def slice_step(env: Env):
         return step, None
 
     def fx(plan: str):
-        c = fxpar.compile(build(), plan, example_kwargs=batch, device=env.device,
-                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-5))
+        # on the dry run fxpar's compiled stages go through Dynamo and AOT autograd without Inductor too
+        backend = {"FXPAR_COMPILE_BACKEND": "aot_eager"} if env.dry else {}
+        with unittest.mock.patch.dict(os.environ, backend):
+            c = fxpar.compile(build(), plan, example_kwargs=batch, device=env.device,
+                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-5))
         return (lambda: c.step(**batch)), c
 
     variants = [("HF module, eager", lambda: hf(False)), ("HF module, torch.compile", lambda: hf(True)),

@@ -256,5 +256,8 @@ def compile_stage(gm: torch.fx.GraphModule, *, stage: int, lower: Callable | Non
     on its first call; ``lower`` is ``fxpar.passes.lower_collectives.lower_collectives`` (None leaves
     fxpar's collectives opaque); ``device``: where it runs (CUDA turns on async TP, :func:`enable_async_tp`).
     Its backward is one autograd node: a zero-bubble schedule's ``I`` runs it whole and its ``W`` has
-    nothing left to do."""
+    nothing left to do. ``FXPAR_COMPILE_BACKEND=aot_eager``: Dynamo captures it and AOT autograd
+    partitions it, without Inductor (fxpar's collectives stay opaque)."""
+    if run_options().compile_backend == "aot_eager":  # FXPAR_COMPILE_BACKEND: the capture without Inductor
+        return CompiledStage(gm, stage, "aot_eager")
     return CompiledStage(gm, stage, _inductor(inductor_profile(lower, async_tp=enable_async_tp(gm, device))))

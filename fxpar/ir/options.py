@@ -58,6 +58,14 @@ def _cache_dir(raw: str) -> Path | None:
     return Path(raw).expanduser()
 
 
+def _one_of(*words: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw.strip() not in words:
+            raise ValueError
+        return raw.strip()
+    return parse
+
+
 def _names(raw: str) -> frozenset[str]:
     return frozenset(s.strip() for s in raw.split(",") if s.strip())
 
@@ -89,6 +97,10 @@ class RunOptions:
     """Compare every collective's shapes across the group before running it (debugging)."""
     compile_fallback: bool = _var("FXPAR_COMPILE_FALLBACK", True, _switch, _SWITCH, "fxpar.runtime.compile")
     """A stage Inductor cannot compile runs eagerly with a warning; off: the compile error is raised."""
+    compile_backend: str = _var("FXPAR_COMPILE_BACKEND", "inductor", _one_of("inductor", "aot_eager"),
+                                "inductor or aot_eager", "fxpar.runtime.compile")
+    """What compiles a stage: Inductor, or ``aot_eager`` (Dynamo's capture and AOT autograd's partition run
+    eagerly, fxpar's collectives left opaque: the capture checked in seconds, for bisecting and dry runs)."""
     trim_step: bool = _var("FXPAR_TRIM_STEP", False, _switch, _SWITCH, "fxpar.runtime.train_step")
     """Each training step gives the C heap's freed pages back (``malloc_trim``) once they pass 64 MiB: a
     lower resident size between steps, for the first touch of those pages again in the next step."""

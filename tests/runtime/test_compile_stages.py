@@ -235,6 +235,20 @@ def test_a_stage_that_fails_to_compile_runs_eagerly_with_one_warning(monkeypatch
     torch.testing.assert_close(second, gm(x))
 
 
+def test_the_aot_eager_backend_captures_without_inductor(monkeypatch):
+    monkeypatch.setenv("FXPAR_COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(stage_compile, "_inductor", lambda profile: pytest.fail("Inductor was asked for"))
+    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh()))
+    stage = compile_stage(gm, stage=0, lower=lower_collectives)
+    x = torch.randn(4, 3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fxpar: stage", category=RuntimeWarning)  # no eager fallback
+        out = stage(x)
+    torch.testing.assert_close(out, gm(x))
+    out.sum().backward()
+    assert x.grad is not None and stage.failed is None
+
+
 # ---------------------------------------------------------------------------------------------------
 # Whole plans, compiled against eager fxpar
 
