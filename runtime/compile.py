@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from fxpar.ir.errors import FxparError
 from fxpar.ir.ops import collective_kind
@@ -224,14 +225,16 @@ class CompiledStage:
         self.gm, self.stage = gm, stage
         self.compiled = torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
         self.failed: str | None = None  # why compiling failed, once it has
+        self.code_made = False  # lazy GraphModules' forwards generated (fxpar.ir.program.graph_module)
 
     def __call__(self, *args):
         if self.failed is not None:
             return self.gm(*args)
-        try:
-            # Dynamo traces the generated forwards: lazy GraphModules (fxpar.ir.program.graph_module) make them now
+        if not self.code_made:  # Dynamo traces the generated forwards: made once, before the first call
             for m in self.gm.modules():
-                torch.fx._lazy_graph_module._LazyGraphModule.force_recompile(m)
+                _LazyGraphModule.force_recompile(m)
+            self.code_made = True
+        try:
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 return self.compiled(*args)
         except torch._dynamo.exc.TorchDynamoException as e:  # raised while compiling, before running
