@@ -48,9 +48,11 @@ _ARGS = ["llama", "--data", "synthetic", "--plan", "pp=2,microbatches=2", "--bat
          "--steps", str(STEPS)]
 
 
-def _torchrun(tmp_path, name: str, extra: list[str], restarts: int) -> subprocess.CompletedProcess:
+def _torchrun_restarting(tmp_path, ckpt: str) -> subprocess.CompletedProcess:
+    """The run a rank kills itself in, under torchrun with one restart, resuming from its latest save."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--max-restarts", str(restarts), HERE, *_ARGS, "--losses-out", str(tmp_path / f"{name}.losses"), *extra]
+           "--max-restarts", "1", HERE, *_ARGS, "--losses-out", str(tmp_path / "restarted.losses"),
+           "--save", ckpt, "--save-every", str(SAVE_EVERY), "--resume", "auto"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FXPAR_TIMEOUT": "30"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
 
@@ -64,8 +66,7 @@ def _printed(stdout: str) -> dict[int, float]:
 @pytest.mark.timeout(480)
 def test_torchrun_restart_resumes_from_latest_with_the_same_losses(tmp_path, pool2):
     ckpt = str(tmp_path / "ckpt")
-    restarted = _torchrun(tmp_path, "restarted", ["--save", ckpt, "--save-every", str(SAVE_EVERY),
-                                                  "--resume", "auto"], restarts=1)
+    restarted = _torchrun_restarting(tmp_path, ckpt)
     out = restarted.stdout + restarted.stderr
     assert restarted.returncode == 0, out[-4000:]
     assert (tmp_path / "killed").read_text() == f"rank 1: SIGKILL after saving step {KILL_AFTER}"
